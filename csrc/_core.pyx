@@ -1,0 +1,368 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""torchmp._core: the compiled half of torchmp.
+
+Thin wrappers over the C core in csrc/*.c: argument conversion, memory
+ownership and errno -> OSError.  Policy (what to spawn, when to kill, how to
+report) lives in torchmp/api.py.
+"""
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.exc cimport PyErr_CheckSignals
+from libc.errno cimport errno, EINTR
+from libc.stdint cimport int64_t, uint64_t
+from libc.stdlib cimport calloc, free
+from libc.string cimport memset, strerror
+from posix.unistd cimport getpid
+
+from ctorchmp cimport *
+
+import os as _os
+
+cdef extern from "<poll.h>" nogil:
+    struct pollfd:
+        int fd
+        short events
+        short revents
+    int poll(pollfd *fds, unsigned long nfds, int timeout)
+    enum:
+        POLLIN
+
+cdef extern from *:
+    """
+    #ifndef TORCHMP_VERSION
+    #error "TORCHMP_VERSION must be defined by setup.py"
+    #endif
+    #ifdef TORCHMP_PORTABLE
+    #define TORCHMP_PORTABLE_BUILD 1
+    #else
+    #define TORCHMP_PORTABLE_BUILD 0
+    #endif
+    """
+    const char *TORCHMP_VERSION
+    int TORCHMP_PORTABLE_BUILD
+
+__version__ = TORCHMP_VERSION.decode()
+PORTABLE_BUILD = bool(TORCHMP_PORTABLE_BUILD)
+
+STREAM_INHERIT = TORCHMP_STREAM_INHERIT
+STREAM_FILE = TORCHMP_STREAM_FILE
+STREAM_TEE = TORCHMP_STREAM_TEE
+
+PROC_UNSTARTED = TORCHMP_PROC_UNSTARTED
+PROC_RUNNING = TORCHMP_PROC_RUNNING
+PROC_EXITED = TORCHMP_PROC_EXITED
+
+STEP_EXEC = TORCHMP_STEP_EXEC
+
+
+cdef int check(int rc, const char *what) except -1:
+    """One errno checker for every call site (pyzmq checkrc style): reads
+    errno first, before anything else can change it."""
+    cdef int err
+    if rc < 0:
+        err = errno
+        raise OSError(err, f"{what.decode()}: {strerror(err).decode()}")
+    return rc
+
+
+def step_name(int step):
+    """Name of a spawn step, as used in exec error messages."""
+    return torchmp_step_name(step).decode()
+
+
+def exec_error(int step, int errnum, path):
+    """Turn a {step, errno} record from a worker into the right exception.
+
+    An exec failure becomes OSError(errno, strerror, path), which selects
+    FileNotFoundError, PermissionError, ... like subprocess does.  Failures
+    in the other setup steps name the step instead of the path.
+    """
+    if errnum <= 0:
+        return OSError(f"worker setup failed during {step_name(step)} (no errno reported)")
+    msg = strerror(errnum).decode()
+    if step == TORCHMP_STEP_EXEC:
+        return OSError(errnum, msg, path)
+    return OSError(errnum, f"{msg} (worker setup step: {step_name(step)})")
+
+
+def backend():
+    """'epoll' or 'poll': the readiness backend of this process's I/O thread."""
+    cdef int b = torchmp_loop_backend()
+    check(b, b"starting the torchmp I/O thread")
+    return "epoll" if b == TORCHMP_BACKEND_EPOLL else "poll"
+
+
+def loop_fd_count():
+    """How many fds the I/O thread holds (its own plus every watched one)."""
+    return check(torchmp_loop_fd_count(), b"starting the torchmp I/O thread")
+
+
+cdef int needles_fill(torchmp_needles *n, list filters, list keep) except -1:
+    cdef Py_ssize_t i, count = len(filters)
+    n.count = 0
+    n.data = <char **>calloc(count if count else 1, sizeof(char *))
+    n.len = <size_t *>calloc(count if count else 1, sizeof(size_t))
+    if n.data == NULL or n.len == NULL:
+        raise MemoryError()
+    for i in range(count):
+        b = filters[i]
+        if not isinstance(b, bytes):
+            raise TypeError("filters must be bytes")
+        keep.append(b)
+        n.data[i] = PyBytes_AS_STRING(b)
+        n.len[i] = <size_t>PyBytes_GET_SIZE(b)
+        n.count += 1
+    return 0
+
+
+cdef void needles_clear(torchmp_needles *n) noexcept:
+    free(n.data)
+    free(n.len)
+    n.data = NULL
+    n.len = NULL
+    n.count = 0
+
+
+cdef char **cstring_array(list items, list keep) except NULL:
+    """A NULL-terminated char* array over bytes objects kept alive by keep."""
+    cdef Py_ssize_t i, count = len(items)
+    cdef char **arr = <char **>calloc(count + 1, sizeof(char *))
+    if arr == NULL:
+        raise MemoryError()
+    try:
+        for i in range(count):
+            b = items[i]
+            if not isinstance(b, bytes):
+                raise TypeError(f"expected bytes, got {type(b).__name__}")
+            keep.append(b)
+            arr[i] = PyBytes_AS_STRING(b)
+    except BaseException:
+        free(arr)
+        raise
+    return arr
+
+
+cdef int stream_spec_fill(torchmp_stream_spec *s, tuple spec, list keep) except -1:
+    mode, fd, console, prefix = spec
+    s.mode = mode
+    s.fd = fd
+    s.console = console
+    if prefix is None:
+        s.prefix = NULL
+        s.prefix_len = 0
+    else:
+        keep.append(prefix)
+        s.prefix = PyBytes_AS_STRING(prefix)
+        s.prefix_len = <size_t>PyBytes_GET_SIZE(prefix)
+    return 0
+
+
+class SpawnError(OSError):
+    """Raised by Group.spawn when rank `rank` could not be started; ranks
+    [0, rank) are running and must be terminated by the caller."""
+
+
+cdef class Group:
+    """The native side of one PContext: its ranks, their streams and exits."""
+
+    cdef torchmp_group *g
+    cdef readonly int nprocs
+    cdef readonly int started
+    cdef int owner_pid
+
+    def __cinit__(self, int nprocs, list out_filters=None, int filtered_out_fd=-1,
+                  list err_filters=None, int filtered_err_fd=-1):
+        cdef torchmp_needles out_n, err_n
+        cdef list keep = []
+        memset(&out_n, 0, sizeof(out_n))
+        memset(&err_n, 0, sizeof(err_n))
+        self.g = NULL
+        self.nprocs = nprocs
+        self.started = 0
+        self.owner_pid = getpid()
+        try:
+            if out_filters is not None:
+                needles_fill(&out_n, out_filters, keep)
+            if err_filters is not None:
+                needles_fill(&err_n, err_filters, keep)
+            self.g = torchmp_group_new(
+                nprocs,
+                &out_n if out_filters is not None else NULL, filtered_out_fd,
+                &err_n if err_filters is not None else NULL, filtered_err_fd)
+            if self.g == NULL:
+                check(-1, b"creating a worker group")
+        finally:
+            needles_clear(&out_n)
+            needles_clear(&err_n)
+
+    def __dealloc__(self):
+        if self.g != NULL:
+            torchmp_group_release(self.g)
+            self.g = NULL
+
+    cdef int _ours(self) except -1:
+        if self.g == NULL:
+            raise ValueError("worker group is closed")
+        if getpid() != self.owner_pid:
+            raise RuntimeError(
+                "this torchmp context was created in a parent process; "
+                "it cannot be used after fork")
+        return 0
+
+    def spawn(self, list specs):
+        """Start ranks 0..len(specs)-1.
+
+        Each spec is (path, argv, envp, out, err, keep_fd) with path bytes,
+        argv/envp lists of bytes, out/err (mode, fd, console, prefix) tuples.
+        Raises SpawnError (an OSError) with .rank and .step set for the first
+        rank that could not be started.
+        """
+        cdef Py_ssize_t i, count = len(specs)
+        cdef torchmp_rank_spec *cspecs = NULL
+        cdef torchmp_exec_error err
+        cdef list keep = []
+        cdef int started
+        self._ours()
+        if self.started:
+            raise RuntimeError("worker group already started")
+        if count > self.nprocs:
+            raise ValueError(f"{count} specs for a group of {self.nprocs}")
+        cspecs = <torchmp_rank_spec *>calloc(count if count else 1, sizeof(torchmp_rank_spec))
+        if cspecs == NULL:
+            raise MemoryError()
+        try:
+            for i in range(count):
+                path, argv, envp, out, errspec, keep_fd = specs[i]
+                if not isinstance(path, bytes):
+                    raise TypeError("path must be bytes")
+                keep.append(path)
+                cspecs[i].args.path = PyBytes_AS_STRING(path)
+                cspecs[i].args.argv = cstring_array(argv, keep)
+                cspecs[i].args.envp = cstring_array(envp, keep)
+                cspecs[i].args.cwd = NULL
+                cspecs[i].args.keep_fd = keep_fd
+                stream_spec_fill(&cspecs[i].out, out, keep)
+                stream_spec_fill(&cspecs[i].err, errspec, keep)
+            memset(&err, 0, sizeof(err))
+            with nogil:
+                started = torchmp_group_spawn(self.g, cspecs, <int>count, &err)
+            if started < 0:
+                check(-1, b"handing the spawn request to the I/O thread")
+            self.started = started
+            if started < count:
+                exc = exec_error(err.step, err.errnum, _os.fsdecode(specs[started][0]))
+                spawn_error = SpawnError(*exc.args)
+                spawn_error.rank = started
+                spawn_error.step = err.step
+                spawn_error.errno_ = err.errnum
+                spawn_error.cause = exc
+                raise spawn_error
+        finally:
+            for i in range(count):
+                free(<void *>cspecs[i].args.argv)
+                free(<void *>cspecs[i].args.envp)
+            free(cspecs)
+
+    def snapshot(self):
+        """(version, [per-rank tuples]) taken atomically from the I/O thread.
+
+        Tuple: (state, pid, wait_status, start_mono_ns, exit_mono_ns,
+        exit_real_ns, utime_ns, stime_ns, maxrss_kb, out_log_errno,
+        err_log_errno).
+        """
+        cdef torchmp_proc_info *info
+        cdef uint64_t version
+        cdef int i
+        if self.g == NULL:
+            raise ValueError("worker group is closed")
+        info = <torchmp_proc_info *>calloc(self.nprocs if self.nprocs else 1, sizeof(torchmp_proc_info))
+        if info == NULL:
+            raise MemoryError()
+        try:
+            version = torchmp_group_snapshot(self.g, info, self.nprocs)
+            ranks = [
+                (info[i].state, info[i].pid, info[i].wait_status, info[i].start_mono_ns,
+                 info[i].exit_mono_ns, info[i].exit_real_ns, info[i].utime_ns,
+                 info[i].stime_ns, info[i].maxrss_kb, info[i].out_log_errno,
+                 info[i].err_log_errno)
+                for i in range(self.nprocs)
+            ]
+        finally:
+            free(info)
+        return version, ranks
+
+    def wait(self, double timeout):
+        """Block (GIL released) until an exit is recorded or timeout seconds
+        pass (negative: forever).  Returns True if woken by an exit.  Signal
+        handlers run while waiting, so SignalException can interrupt it."""
+        cdef pollfd p
+        cdef int rc, ms, err
+        import time
+        self._ours()
+        deadline = None if timeout < 0 else time.monotonic() + timeout
+        p.fd = torchmp_group_notify_fd(self.g)
+        p.events = POLLIN
+        while True:
+            if deadline is None:
+                ms = -1
+            else:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    ms = 0
+                else:
+                    # Round up, as selectors do: never wake just before the deadline.
+                    ms = <int>min(remaining * 1000.0 + 0.999, 2**31 - 1)
+            p.revents = 0
+            with nogil:
+                rc = poll(&p, 1, ms)
+                err = errno
+            if rc < 0:
+                if err == EINTR:
+                    PyErr_CheckSignals()
+                    continue
+                raise OSError(err, strerror(err).decode())
+            if rc > 0:
+                torchmp_group_drain_notify(self.g)
+                return True
+            if ms == 0 or deadline is not None and time.monotonic() >= deadline:
+                return False
+
+    def killpg(self, int sig, bint include_exited=False):
+        """Send sig to the process group of every started rank."""
+        self._ours()
+        check(torchmp_group_killpg(self.g, sig, include_exited), b"killpg")
+
+    def finish_streams(self):
+        """Drain buffered output, flush partial lines and close every tee
+        pipe and log file of the group."""
+        self._ours()
+        with nogil:
+            torchmp_group_finish_streams(self.g)
+
+
+def frame(int fd, bytes prefix, list chunks, Py_ssize_t max_line=256 * 1024):
+    """Run the console line framer over chunks, writing to fd.
+
+    For tests: the framer the I/O thread uses, fed by hand.
+    """
+    cdef torchmp_framer f
+    cdef torchmp_line_sinks sinks
+    cdef int console = fd
+    cdef int console_errno = 0
+    cdef int filtered = -1
+    cdef int filtered_errno = 0
+    memset(&sinks, 0, sizeof(sinks))
+    sinks.console_fd = &console
+    sinks.console_errno = &console_errno
+    sinks.filtered_fd = &filtered
+    sinks.filtered_errno = &filtered_errno
+    sinks.needles = NULL
+    torchmp_framer_init(&f, PyBytes_AS_STRING(prefix), <size_t>PyBytes_GET_SIZE(prefix), <size_t>max_line)
+    try:
+        for chunk in chunks:
+            if torchmp_framer_feed(&f, PyBytes_AS_STRING(chunk), <size_t>PyBytes_GET_SIZE(chunk), &sinks) != 0:
+                check(-1, b"framing")
+        torchmp_framer_flush(&f, &sinks)
+    finally:
+        torchmp_framer_free(&f)
+    if console_errno:
+        raise OSError(console_errno, strerror(console_errno).decode())

@@ -1,0 +1,105 @@
+# Declarations of the C core (csrc/torchmp.h) for Cython.  Kept apart from
+# the logic in _core.pyx, uvloop style.
+from libc.stdint cimport int32_t, int64_t, uint64_t
+from posix.types cimport pid_t
+
+
+cdef extern from "torchmp.h" nogil:
+    enum:
+        TORCHMP_STEP_NONE
+        TORCHMP_STEP_EXEC
+        TORCHMP_STEP__COUNT
+
+    ctypedef struct torchmp_exec_error:
+        int32_t step
+        int32_t errnum
+
+    ctypedef struct torchmp_spawn_args:
+        const char *path
+        char *const *argv
+        char *const *envp
+        const char *cwd
+        int stdout_fd
+        int stderr_fd
+        int keep_fd
+        int use_vfork
+        int pdeathsig
+        pid_t parent_pid
+        long max_fd
+
+    const char *torchmp_step_name(int step)
+
+    ctypedef struct torchmp_needles:
+        size_t count
+        char **data
+        size_t *len
+
+    ctypedef struct torchmp_framer:
+        pass
+
+    ctypedef struct torchmp_line_sinks:
+        int *console_fd
+        int *filtered_fd
+        const torchmp_needles *needles
+        int *console_errno
+        int *filtered_errno
+
+    void torchmp_framer_init(torchmp_framer *f, const char *prefix, size_t prefix_len, size_t max_line)
+    void torchmp_framer_free(torchmp_framer *f)
+    int torchmp_framer_feed(torchmp_framer *f, const char *data, size_t len, const torchmp_line_sinks *sinks)
+    void torchmp_framer_flush(torchmp_framer *f, const torchmp_line_sinks *sinks)
+
+    enum:
+        TORCHMP_BACKEND_EPOLL
+        TORCHMP_BACKEND_POLL
+
+    enum:
+        TORCHMP_STREAM_INHERIT
+        TORCHMP_STREAM_FILE
+        TORCHMP_STREAM_TEE
+
+    ctypedef struct torchmp_stream_spec:
+        int mode
+        int fd
+        int console
+        const char *prefix
+        size_t prefix_len
+
+    ctypedef struct torchmp_rank_spec:
+        torchmp_spawn_args args
+        torchmp_stream_spec out
+        torchmp_stream_spec err
+
+    enum:
+        TORCHMP_PROC_UNSTARTED
+        TORCHMP_PROC_RUNNING
+        TORCHMP_PROC_EXITED
+
+    ctypedef struct torchmp_proc_info:
+        int state
+        pid_t pid
+        int wait_status
+        int64_t start_mono_ns
+        int64_t exit_mono_ns
+        int64_t exit_real_ns
+        int64_t utime_ns
+        int64_t stime_ns
+        int64_t maxrss_kb
+        int out_log_errno
+        int err_log_errno
+
+    ctypedef struct torchmp_group:
+        pass
+
+    int torchmp_loop_backend()
+    int torchmp_loop_fd_count()
+    torchmp_group *torchmp_group_new(int nprocs,
+                                     const torchmp_needles *out_needles, int filtered_out_fd,
+                                     const torchmp_needles *err_needles, int filtered_err_fd)
+    int torchmp_group_spawn(torchmp_group *g, torchmp_rank_spec *specs, int count, torchmp_exec_error *err)
+    uint64_t torchmp_group_snapshot(torchmp_group *g, torchmp_proc_info *out, int n)
+    int torchmp_group_notify_fd(torchmp_group *g)
+    void torchmp_group_drain_notify(torchmp_group *g)
+    int torchmp_group_killpg(torchmp_group *g, int sig, int include_exited)
+    int torchmp_group_finish_streams(torchmp_group *g)
+    void torchmp_group_release(torchmp_group *g)

@@ -1,0 +1,289 @@
+/*
+ * Console line framing.  Each complete line goes out as prefix + line in one
+ * writev slot sequence, and a whole batch of lines in as few writev calls as
+ * IOV_MAX allows; the I/O thread is the only writer, so lines from different
+ * ranks never interleave inside a line.  Bytes pass through untouched: no
+ * decoding, no re-encoding, NULs and invalid UTF-8 included.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include "torchmp.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#ifndef IOV_MAX
+#define IOV_MAX 1024
+#endif
+
+/* Slots per flush; three per line (prefix, line, added newline). */
+#define BATCH_IOV (IOV_MAX - (IOV_MAX % 3))
+
+static int wait_writable(int fd)
+{
+    struct pollfd p;
+    p.fd = fd;
+    p.events = POLLOUT;
+    p.revents = 0;
+    for (;;) {
+        int r = poll(&p, 1, -1);
+        if (r > 0)
+            return 0;
+        if (r < 0 && errno != EINTR)
+            return -1;
+    }
+}
+
+int torchmp_write_all(int fd, const char *buf, size_t len)
+{
+    while (len > 0) {
+        ssize_t n = write(fd, buf, len);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                /* Someone made the fd non-blocking: wait rather than drop. */
+                if (wait_writable(fd) != 0)
+                    return -1;
+                continue;
+            }
+            return -1;
+        }
+        buf += n;
+        len -= (size_t)n;
+    }
+    return 0;
+}
+
+/* writev all of iov[0..cnt), resuming after partial writes. */
+static int writev_all(int fd, struct iovec *iov, int cnt)
+{
+    while (cnt > 0) {
+        ssize_t n = writev(fd, iov, cnt);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                if (wait_writable(fd) != 0)
+                    return -1;
+                continue;
+            }
+            return -1;
+        }
+        while (cnt > 0 && (size_t)n >= iov->iov_len) {
+            n -= (ssize_t)iov->iov_len;
+            iov++;
+            cnt--;
+        }
+        if (cnt > 0) {
+            iov->iov_base = (char *)iov->iov_base + n;
+            iov->iov_len -= (size_t)n;
+        }
+    }
+    return 0;
+}
+
+/* A batch of framed lines bound for one fd. */
+typedef struct {
+    struct iovec iov[BATCH_IOV];
+    int cnt;
+    int *fd;          /* shared slot: set to -1 when the sink breaks */
+    int *errnum;
+} batch;
+
+static void batch_flush(batch *b)
+{
+    if (b->cnt > 0 && b->fd != NULL && *b->fd >= 0) {
+        if (writev_all(*b->fd, b->iov, b->cnt) != 0) {
+            /* EPIPE on a closed console, EBADF, ENOSPC: stop writing to this
+             * sink; the log files are written separately and stay complete. */
+            if (b->errnum != NULL && *b->errnum == 0)
+                *b->errnum = errno;
+            *b->fd = -1;
+        }
+    }
+    b->cnt = 0;
+}
+
+static const char newline = '\n';
+
+static void batch_line(batch *b, const torchmp_framer *f, const char *line, size_t len, int add_newline)
+{
+    if (b->fd == NULL || *b->fd < 0)
+        return;
+    if (b->cnt + 3 > BATCH_IOV)
+        batch_flush(b);
+    if (f->prefix_len > 0) {
+        b->iov[b->cnt].iov_base = (void *)f->prefix;
+        b->iov[b->cnt].iov_len = f->prefix_len;
+        b->cnt++;
+    }
+    b->iov[b->cnt].iov_base = (void *)line;
+    b->iov[b->cnt].iov_len = len;
+    b->cnt++;
+    if (add_newline) {
+        b->iov[b->cnt].iov_base = (void *)&newline;
+        b->iov[b->cnt].iov_len = 1;
+        b->cnt++;
+    }
+}
+
+static int line_matches(const torchmp_needles *nd, const char *line, size_t len)
+{
+    for (size_t i = 0; i < nd->count; i++) {
+        if (nd->len[i] == 0 || memmem(line, len, nd->data[i], nd->len[i]) != NULL)
+            return 1;
+    }
+    return 0;
+}
+
+typedef struct {
+    batch console;
+    batch filtered;
+    const torchmp_needles *needles;
+} emitter;
+
+static void emitter_init(emitter *e, const torchmp_line_sinks *s)
+{
+    e->console.cnt = 0;
+    e->console.fd = s->console_fd;
+    e->console.errnum = s->console_errno;
+    e->filtered.cnt = 0;
+    e->filtered.fd = s->needles != NULL ? s->filtered_fd : NULL;
+    e->filtered.errnum = s->filtered_errno;
+    e->needles = s->needles;
+}
+
+static void emit(emitter *e, const torchmp_framer *f, const char *line, size_t len, int add_newline)
+{
+    batch_line(&e->console, f, line, len, add_newline);
+    if (e->needles != NULL && e->filtered.fd != NULL && *e->filtered.fd >= 0 &&
+        line_matches(e->needles, line, len))
+        batch_line(&e->filtered, f, line, len, add_newline);
+}
+
+static void emitter_flush(emitter *e)
+{
+    batch_flush(&e->console);
+    batch_flush(&e->filtered);
+}
+
+void torchmp_framer_init(torchmp_framer *f, const char *prefix, size_t prefix_len, size_t max_line)
+{
+    f->prefix = prefix;
+    f->prefix_len = prefix_len;
+    f->partial = NULL;
+    f->partial_len = 0;
+    f->partial_cap = 0;
+    f->max_line = max_line > 0 ? max_line : 1;
+}
+
+void torchmp_framer_free(torchmp_framer *f)
+{
+    free(f->partial);
+    f->partial = NULL;
+    f->partial_len = 0;
+    f->partial_cap = 0;
+}
+
+static int partial_append(torchmp_framer *f, const char *data, size_t len)
+{
+    if (f->partial_len + len > f->partial_cap) {
+        size_t cap = f->partial_cap ? f->partial_cap : 256;
+        char *grown;
+        while (cap < f->partial_len + len)
+            cap *= 2;
+        grown = realloc(f->partial, cap);
+        if (grown == NULL)
+            return -1;
+        f->partial = grown;
+        f->partial_cap = cap;
+    }
+    memcpy(f->partial + f->partial_len, data, len);
+    f->partial_len += len;
+    return 0;
+}
+
+int torchmp_framer_feed(torchmp_framer *f, const char *data, size_t len, const torchmp_line_sinks *sinks)
+{
+    emitter e;
+    const char *p = data;
+    const char *end = data + len;
+    int rc = 0;
+
+    emitter_init(&e, sinks);
+    if ((e.console.fd == NULL || *e.console.fd < 0) &&
+        (e.filtered.fd == NULL || *e.filtered.fd < 0)) {
+        f->partial_len = 0; /* nobody reads the framed form */
+        return 0;
+    }
+
+    while (p < end) {
+        const char *nl = memchr(p, '\n', (size_t)(end - p));
+        if (nl == NULL)
+            break;
+        if (f->partial_len > 0) {
+            /* The line started in an earlier chunk: complete it in the tail
+             * buffer so the line is one contiguous piece (filters need it). */
+            if (partial_append(f, p, (size_t)(nl + 1 - p)) != 0) {
+                emit(&e, f, f->partial, f->partial_len, 1);
+                emit(&e, f, p, (size_t)(nl + 1 - p), 0);
+                rc = -1;
+            } else {
+                emit(&e, f, f->partial, f->partial_len, 0);
+            }
+            /* The batch points into the tail buffer: send it before reuse. */
+            emitter_flush(&e);
+            f->partial_len = 0;
+        } else {
+            emit(&e, f, p, (size_t)(nl + 1 - p), 0);
+        }
+        p = nl + 1;
+    }
+    emitter_flush(&e);
+
+    if (p < end) {
+        size_t rest = (size_t)(end - p);
+        if (f->partial_len + rest > f->max_line) {
+            /* An over-long line: send what we have as lines of their own
+             * (newline added) rather than buffer without bound. */
+            if (f->partial_len > 0) {
+                emit(&e, f, f->partial, f->partial_len, 1);
+                emitter_flush(&e);
+                f->partial_len = 0;
+            }
+            if (rest >= f->max_line) {
+                emit(&e, f, p, rest, 1);
+                emitter_flush(&e);
+            } else if (partial_append(f, p, rest) != 0) {
+                emit(&e, f, p, rest, 1);
+                emitter_flush(&e);
+                rc = -1;
+            }
+        } else if (partial_append(f, p, rest) != 0) {
+            emit(&e, f, p, rest, 1);
+            emitter_flush(&e);
+            rc = -1;
+        }
+    }
+    if (rc != 0)
+        errno = ENOMEM;
+    return rc;
+}
+
+void torchmp_framer_flush(torchmp_framer *f, const torchmp_line_sinks *sinks)
+{
+    emitter e;
+    if (f->partial_len == 0)
+        return;
+    emitter_init(&e, sinks);
+    emit(&e, f, f->partial, f->partial_len, 1);
+    emitter_flush(&e);
+    f->partial_len = 0;
+}

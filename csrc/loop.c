@@ -1,0 +1,1035 @@
+/*
+ * The process-wide I/O thread.
+ *
+ * Why one thread per process (not per context): no extra threads whatever the
+ * number of contexts or ranks; and every worker is forked from this thread,
+ * which lives as long as the process, because PR_SET_PDEATHSIG fires when the
+ * *forking thread* exits -- forking from a short-lived caller thread would
+ * kill the workers when that thread ends.
+ *
+ * The thread blocks every signal (so the launcher's Python handlers run on
+ * the main thread, and vfork is safe here) and waits on one readiness set:
+ * a control fd (commands from Python), each teed pipe, and with the epoll
+ * backend a pidfd per worker.  With the poll backend, exits arrive as a
+ * SIGCHLD whose handler writes to the control fd.
+ *
+ * Locking: `mu` guards the command queue and every field Python reads (the
+ * rank states).  Streams and the group list belong to the loop thread alone.
+ * The GIL serialises the Python-side entry points, including loop creation.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include "torchmp.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/resource.h>
+#include <sys/time.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#ifdef TORCHMP_HAVE_EVENTFD
+#include <sys/eventfd.h>
+#endif
+#ifdef TORCHMP_HAVE_PIDFD
+#include <sys/syscall.h>
+#endif
+
+#define READ_CHUNK (256 * 1024)
+#define MAX_LINE (256 * 1024)
+#define MAX_EVENTS 256
+
+enum watch_kind { WATCH_CONTROL = 1, WATCH_STREAM = 2, WATCH_PROC = 3 };
+
+typedef struct torchmp_proc torchmp_proc;
+
+typedef struct {
+    int kind;                  /* WATCH_STREAM: first member, for dispatch */
+    int fd;                    /* pipe read end; -1 when not teed or closed */
+    int log_fd;                /* -1: none, or switched off after an error */
+    int log_errno;
+    int which;                 /* 0: stdout, 1: stderr */
+    char *prefix;
+    torchmp_framer framer;
+    torchmp_proc *proc;
+} stream;
+
+struct torchmp_proc {
+    int kind;                  /* WATCH_PROC */
+    int rank;
+    int pidfd;
+    /* fields below `mu` guards, Python reads them */
+    torchmp_proc_info info;
+    stream streams[2];
+    torchmp_group *group;
+};
+
+struct torchmp_group {
+    struct torchmp_loop *loop;
+    int nprocs;
+    torchmp_proc *procs;
+    torchmp_needles needles[2];
+    int has_needles[2];
+    int filtered_fd[2];
+    int filtered_errno[2];
+    int console_fd[2];         /* 1 and 2, or -1 once broken for this group */
+    int console_errno[2];
+    int notify_r, notify_w;
+    uint64_t version;          /* mu */
+    int released;              /* loop thread */
+    int running;               /* loop thread */
+    int open_streams;          /* loop thread */
+    int linked;                /* loop thread: on L->groups */
+    torchmp_group *next;
+};
+
+enum cmd_type { CMD_SPAWN = 1, CMD_FINISH = 2, CMD_RELEASE = 3 };
+
+typedef struct command {
+    int type;
+    torchmp_group *group;
+    torchmp_rank_spec *specs;
+    int count;
+    torchmp_exec_error err;
+    int result;
+    int done;
+    struct command *next;
+} command;
+
+typedef struct torchmp_loop {
+    int kind;                  /* WATCH_CONTROL: the wake fd's watch */
+    pid_t owner_pid;
+    int backend;
+    torchmp_poller *poller;
+    int wake_r, wake_w;
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t cmd_done;
+    command *cmd_head, *cmd_tail;
+    torchmp_group *groups;
+    char *readbuf;
+    int use_vfork;
+    long max_fd;
+} torchmp_loop;
+
+static torchmp_loop *the_loop;
+
+/* ---- small helpers ------------------------------------------------------ */
+
+static int64_t clock_ns(clockid_t clk)
+{
+    struct timespec ts;
+    clock_gettime(clk, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static void close_fd(int *fd)
+{
+    if (*fd >= 0) {
+        close(*fd);
+        *fd = -1;
+    }
+}
+
+/* A wakeup channel: an eventfd, or a non-blocking pipe where there is none. */
+static int notify_open(int *r, int *w)
+{
+#ifdef TORCHMP_HAVE_EVENTFD
+    int fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (fd < 0)
+        return -1;
+    *r = *w = fd;
+    return 0;
+#else
+    int p[2];
+    if (pipe(p) != 0)
+        return -1;
+    for (int i = 0; i < 2; i++) {
+        int fl = fcntl(p[i], F_GETFL);
+        if (fl < 0 || fcntl(p[i], F_SETFL, fl | O_NONBLOCK) != 0 ||
+            fcntl(p[i], F_SETFD, FD_CLOEXEC) != 0) {
+            int saved = errno;
+            close(p[0]);
+            close(p[1]);
+            errno = saved;
+            return -1;
+        }
+    }
+    *r = p[0];
+    *w = p[1];
+    return 0;
+#endif
+}
+
+static void notify_close(int *r, int *w)
+{
+    if (*w != *r)
+        close_fd(w);
+    close_fd(r);
+    *w = -1;
+}
+
+/* Async-signal-safe: also called from the SIGCHLD handler. */
+static void notify_post(int w)
+{
+    int saved = errno;
+#ifdef TORCHMP_HAVE_EVENTFD
+    uint64_t one = 1;
+    ssize_t n = write(w, &one, sizeof(one));
+#else
+    char one = 1;
+    ssize_t n = write(w, &one, 1);
+#endif
+    (void)n; /* EAGAIN: already signalled, which is all we need */
+    errno = saved;
+}
+
+static void notify_drain(int r)
+{
+    char buf[64];
+    while (read(r, buf, sizeof(buf)) > 0)
+        ;
+}
+
+/* ---- SIGCHLD for the poll backend --------------------------------------- */
+
+static struct sigaction previous_sigchld;
+static volatile int sigchld_wake_fd = -1;
+
+static void on_sigchld(int sig, siginfo_t *info, void *ctx)
+{
+    int fd = sigchld_wake_fd;
+    if (fd >= 0)
+        notify_post(fd);
+    /* Chain to whatever handler was there before us. */
+    if (previous_sigchld.sa_flags & SA_SIGINFO) {
+        if (previous_sigchld.sa_sigaction != NULL)
+            previous_sigchld.sa_sigaction(sig, info, ctx);
+    } else if (previous_sigchld.sa_handler != SIG_DFL && previous_sigchld.sa_handler != SIG_IGN &&
+               previous_sigchld.sa_handler != NULL) {
+        previous_sigchld.sa_handler(sig);
+    }
+}
+
+static int install_sigchld(int wake_fd)
+{
+    struct sigaction sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_sigaction = on_sigchld;
+    sa.sa_flags = SA_SIGINFO | SA_RESTART | SA_NOCLDSTOP;
+    sigemptyset(&sa.sa_mask);
+    sigchld_wake_fd = wake_fd;
+    return sigaction(SIGCHLD, &sa, &previous_sigchld);
+}
+
+/* ---- streams ------------------------------------------------------------ */
+
+static torchmp_line_sinks stream_sinks(stream *s)
+{
+    torchmp_group *g = s->proc->group;
+    torchmp_line_sinks sinks;
+    sinks.console_fd = &g->console_fd[s->which];
+    sinks.console_errno = &g->console_errno[s->which];
+    sinks.filtered_fd = &g->filtered_fd[s->which];
+    sinks.filtered_errno = &g->filtered_errno[s->which];
+    sinks.needles = g->has_needles[s->which] ? &g->needles[s->which] : NULL;
+    return sinks;
+}
+
+/* Console slot for a stream that is not printed at all. */
+static int no_console = -1;
+
+static void stream_consume(stream *s, const char *data, size_t len)
+{
+    torchmp_line_sinks sinks = stream_sinks(s);
+    if (s->log_fd >= 0 && torchmp_write_all(s->log_fd, data, len) != 0) {
+        /* ENOSPC and friends: keep draining the pipe (the worker must not
+         * block) and keep the console going; Python reports log_errno. */
+        s->log_errno = errno;
+        close_fd(&s->log_fd);
+    }
+    if (s->prefix == NULL)
+        sinks.console_fd = &no_console;
+    (void)torchmp_framer_feed(&s->framer, data, len, &sinks);
+}
+
+static void stream_close(torchmp_loop *L, stream *s)
+{
+    torchmp_line_sinks sinks;
+    if (s->fd < 0)
+        return;
+    sinks = stream_sinks(s);
+    if (s->prefix == NULL)
+        sinks.console_fd = &no_console;
+    torchmp_framer_flush(&s->framer, &sinks);
+    (void)torchmp_poller_del(L->poller, s->fd);
+    close_fd(&s->fd);
+    close_fd(&s->log_fd);
+    s->proc->group->open_streams--;
+}
+
+/* Read what is there.  limit < 0: until EAGAIN or EOF (at most a few chunks,
+ * so one busy rank cannot starve the others); limit >= 0: exactly the bytes
+ * that were buffered when the worker exited -- a grandchild that keeps
+ * writing cannot delay the exit report. */
+static void stream_pump(torchmp_loop *L, stream *s, long limit)
+{
+    int rounds = 0;
+    while (s->fd >= 0) {
+        size_t want = READ_CHUNK;
+        ssize_t n;
+        if (limit >= 0) {
+            if (limit == 0)
+                return;
+            if ((size_t)limit < want)
+                want = (size_t)limit;
+        } else if (rounds++ == 4) {
+            return;
+        }
+        n = read(s->fd, L->readbuf, want);
+        if (n > 0) {
+            stream_consume(s, L->readbuf, (size_t)n);
+            if (limit >= 0)
+                limit -= n;
+            continue;
+        }
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+            return;
+        stream_close(L, s); /* EOF or a read error */
+        return;
+    }
+}
+
+static void stream_drain_buffered(torchmp_loop *L, stream *s)
+{
+    int avail = 0;
+    if (s->fd < 0)
+        return;
+    if (ioctl(s->fd, FIONREAD, &avail) != 0)
+        avail = READ_CHUNK;
+    stream_pump(L, s, avail);
+    if (s->fd >= 0) {
+        torchmp_line_sinks sinks = stream_sinks(s);
+        if (s->prefix == NULL)
+            sinks.console_fd = &no_console;
+        torchmp_framer_flush(&s->framer, &sinks);
+    }
+}
+
+static void stream_free(stream *s)
+{
+    torchmp_framer_free(&s->framer);
+    free(s->prefix);
+    s->prefix = NULL;
+}
+
+/* ---- exits -------------------------------------------------------------- */
+
+static void group_notify(torchmp_group *g)
+{
+    notify_post(g->notify_w);
+}
+
+/* Reap pid if it has exited.  Returns 1 when reaped, 0 if still running. */
+static int proc_try_reap(torchmp_loop *L, torchmp_proc *p)
+{
+    struct rusage ru;
+    int status = 0;
+    pid_t r;
+    int64_t now_mono, now_real;
+
+    memset(&ru, 0, sizeof(ru));
+    do {
+        r = wait4(p->info.pid, &status, WNOHANG, &ru);
+    } while (r < 0 && errno == EINTR);
+    if (r == 0)
+        return 0;
+    if (r < 0) {
+        /* ECHILD: somebody else in this process reaped our worker (a
+         * waitpid(-1) elsewhere).  The status is lost; report exit 255. */
+        status = 255 << 8;
+    }
+    now_mono = clock_ns(CLOCK_MONOTONIC);
+    now_real = clock_ns(CLOCK_REALTIME);
+
+    /* Everything the worker wrote before it exited goes out before the exit
+     * is reported. */
+    stream_drain_buffered(L, &p->streams[0]);
+    stream_drain_buffered(L, &p->streams[1]);
+
+    if (p->pidfd >= 0) {
+        (void)torchmp_poller_del(L->poller, p->pidfd);
+        close_fd(&p->pidfd);
+    }
+    pthread_mutex_lock(&L->mu);
+    p->info.state = TORCHMP_PROC_EXITED;
+    p->info.wait_status = status;
+    p->info.exit_mono_ns = now_mono;
+    p->info.exit_real_ns = now_real;
+    p->info.utime_ns = (int64_t)ru.ru_utime.tv_sec * 1000000000LL + (int64_t)ru.ru_utime.tv_usec * 1000;
+    p->info.stime_ns = (int64_t)ru.ru_stime.tv_sec * 1000000000LL + (int64_t)ru.ru_stime.tv_usec * 1000;
+    p->info.maxrss_kb = ru.ru_maxrss;
+    p->info.out_log_errno = p->streams[0].log_errno;
+    p->info.err_log_errno = p->streams[1].log_errno;
+    p->group->version++;
+    pthread_mutex_unlock(&L->mu);
+    p->group->running--;
+    group_notify(p->group);
+    return 1;
+}
+
+static void reap_scan(torchmp_loop *L)
+{
+    for (torchmp_group *g = L->groups; g != NULL; g = g->next) {
+        for (int i = 0; i < g->nprocs && g->running > 0; i++) {
+            if (g->procs[i].info.state == TORCHMP_PROC_RUNNING)
+                (void)proc_try_reap(L, &g->procs[i]);
+        }
+    }
+}
+
+/* ---- spawning ----------------------------------------------------------- */
+
+static int stream_open(torchmp_loop *L, torchmp_proc *p, int which, const torchmp_stream_spec *spec,
+                       int *child_fd)
+{
+    stream *s = &p->streams[which];
+    int pfd[2];
+
+    *child_fd = -1;
+    if (spec->mode == TORCHMP_STREAM_FILE) {
+        *child_fd = spec->fd;
+        return 0;
+    }
+    if (spec->mode != TORCHMP_STREAM_TEE)
+        return 0;
+
+    if (pipe2(pfd, O_CLOEXEC) != 0)
+        return -1;
+    if (fcntl(pfd[0], F_SETFL, O_NONBLOCK) != 0)
+        goto fail;
+    if (spec->fd >= 0) {
+        s->log_fd = fcntl(spec->fd, F_DUPFD_CLOEXEC, 3);
+        if (s->log_fd < 0)
+            goto fail;
+    }
+    if (spec->console == 1 || spec->console == 2) {
+        s->prefix = malloc(spec->prefix_len + 1);
+        if (s->prefix == NULL)
+            goto fail;
+        memcpy(s->prefix, spec->prefix, spec->prefix_len);
+        s->prefix[spec->prefix_len] = '\0';
+        torchmp_framer_init(&s->framer, s->prefix, spec->prefix_len, MAX_LINE);
+    }
+    if (torchmp_poller_add(L->poller, pfd[0], s) != 0)
+        goto fail;
+    s->fd = pfd[0];
+    p->group->open_streams++;
+    *child_fd = pfd[1];
+    return 0;
+
+fail:
+    {
+        int saved = errno;
+        close(pfd[0]);
+        close(pfd[1]);
+        close_fd(&s->log_fd);
+        stream_free(s);
+        errno = saved;
+        return -1;
+    }
+}
+
+static int do_spawn_one(torchmp_loop *L, torchmp_group *g, int rank, torchmp_rank_spec *spec,
+                        torchmp_exec_error *err)
+{
+    torchmp_proc *p = &g->procs[rank];
+    torchmp_spawn_args a = spec->args;
+    int out_w = -1, err_w = -1;
+    pid_t pid;
+    int64_t start;
+    int rc;
+
+    if (stream_open(L, p, 0, &spec->out, &out_w) != 0 || stream_open(L, p, 1, &spec->err, &err_w) != 0) {
+        err->step = TORCHMP_STEP_STREAM;
+        err->errnum = errno;
+        if (spec->out.mode == TORCHMP_STREAM_TEE)
+            close_fd(&out_w);
+        stream_close(L, &p->streams[0]);
+        stream_free(&p->streams[0]);
+        return -1;
+    }
+
+    a.stdout_fd = out_w;
+    a.stderr_fd = err_w;
+    a.use_vfork = L->use_vfork;
+    a.parent_pid = L->owner_pid;
+    a.max_fd = L->max_fd;
+#ifdef TORCHMP_HAVE_PDEATHSIG
+    a.pdeathsig = SIGKILL;
+#else
+    a.pdeathsig = 0;
+#endif
+
+    start = clock_ns(CLOCK_MONOTONIC);
+    rc = torchmp_spawn(&a, &pid, err);
+    if (spec->out.mode == TORCHMP_STREAM_TEE)
+        close_fd(&out_w);
+    if (spec->err.mode == TORCHMP_STREAM_TEE)
+        close_fd(&err_w);
+    if (rc != 0) {
+        for (int i = 0; i < 2; i++) {
+            stream_close(L, &p->streams[i]);
+            stream_free(&p->streams[i]);
+        }
+        return -1;
+    }
+
+#ifdef TORCHMP_HAVE_PIDFD
+    if (L->backend == TORCHMP_BACKEND_EPOLL) {
+        p->pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
+        if (p->pidfd < 0 || torchmp_poller_add(L->poller, p->pidfd, p) != 0) {
+            int status;
+            err->step = TORCHMP_STEP_PIDFD;
+            err->errnum = errno;
+            close_fd(&p->pidfd);
+            kill(pid, SIGKILL);
+            while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
+                ;
+            for (int i = 0; i < 2; i++) {
+                stream_close(L, &p->streams[i]);
+                stream_free(&p->streams[i]);
+            }
+            return -1;
+        }
+    }
+#endif
+
+    pthread_mutex_lock(&L->mu);
+    p->info.pid = pid;
+    p->info.state = TORCHMP_PROC_RUNNING;
+    p->info.start_mono_ns = start;
+    pthread_mutex_unlock(&L->mu);
+    g->running++;
+    return 0;
+}
+
+static void group_link(torchmp_loop *L, torchmp_group *g)
+{
+    if (!g->linked) {
+        g->next = L->groups;
+        L->groups = g;
+        g->linked = 1;
+    }
+}
+
+static int do_spawn(torchmp_loop *L, command *c)
+{
+    group_link(L, c->group);
+    for (int i = 0; i < c->count; i++) {
+        if (do_spawn_one(L, c->group, i, &c->specs[i], &c->err) != 0)
+            return i;
+    }
+    return c->count;
+}
+
+static void do_finish(torchmp_loop *L, torchmp_group *g)
+{
+    for (int i = 0; i < g->nprocs; i++) {
+        for (int w = 0; w < 2; w++) {
+            stream *s = &g->procs[i].streams[w];
+            if (s->fd >= 0) {
+                stream_drain_buffered(L, s);
+                stream_close(L, s);
+            }
+        }
+    }
+}
+
+/* ---- groups ------------------------------------------------------------- */
+
+static void needles_free(torchmp_needles *n)
+{
+    for (size_t i = 0; i < n->count; i++)
+        free(n->data[i]);
+    free(n->data);
+    free(n->len);
+    n->data = NULL;
+    n->len = NULL;
+    n->count = 0;
+}
+
+static int needles_copy(torchmp_needles *dst, const torchmp_needles *src)
+{
+    dst->count = 0;
+    dst->data = calloc(src->count ? src->count : 1, sizeof(char *));
+    dst->len = calloc(src->count ? src->count : 1, sizeof(size_t));
+    if (dst->data == NULL || dst->len == NULL) {
+        needles_free(dst);
+        errno = ENOMEM;
+        return -1;
+    }
+    for (size_t i = 0; i < src->count; i++) {
+        dst->data[i] = malloc(src->len[i] ? src->len[i] : 1);
+        if (dst->data[i] == NULL) {
+            needles_free(dst);
+            errno = ENOMEM;
+            return -1;
+        }
+        memcpy(dst->data[i], src->data[i], src->len[i]);
+        dst->len[i] = src->len[i];
+        dst->count++;
+    }
+    return 0;
+}
+
+static void group_free(torchmp_group *g)
+{
+    for (int i = 0; i < g->nprocs; i++) {
+        torchmp_proc *p = &g->procs[i];
+        close_fd(&p->pidfd);
+        for (int w = 0; w < 2; w++) {
+            close_fd(&p->streams[w].fd);
+            close_fd(&p->streams[w].log_fd);
+            stream_free(&p->streams[w]);
+        }
+    }
+    for (int w = 0; w < 2; w++) {
+        close_fd(&g->filtered_fd[w]);
+        if (g->has_needles[w])
+            needles_free(&g->needles[w]);
+    }
+    notify_close(&g->notify_r, &g->notify_w);
+    free(g->procs);
+    free(g);
+}
+
+/* Free released groups with nothing left to watch.  Runs after a batch of
+ * events, so no event of the batch can point into a freed group. */
+static void collect_groups(torchmp_loop *L)
+{
+    torchmp_group **link = &L->groups;
+    while (*link != NULL) {
+        torchmp_group *g = *link;
+        if (g->released && g->running == 0 && g->open_streams == 0) {
+            *link = g->next;
+            group_free(g);
+        } else {
+            link = &g->next;
+        }
+    }
+}
+
+/* ---- the thread --------------------------------------------------------- */
+
+static void run_commands(torchmp_loop *L)
+{
+    for (;;) {
+        command *c;
+        pthread_mutex_lock(&L->mu);
+        c = L->cmd_head;
+        if (c != NULL) {
+            L->cmd_head = c->next;
+            if (L->cmd_head == NULL)
+                L->cmd_tail = NULL;
+        }
+        pthread_mutex_unlock(&L->mu);
+        if (c == NULL)
+            return;
+
+        switch (c->type) {
+        case CMD_SPAWN:
+            c->result = do_spawn(L, c);
+            break;
+        case CMD_FINISH:
+            do_finish(L, c->group);
+            c->result = 0;
+            break;
+        case CMD_RELEASE:
+            c->group->released = 1;
+            if (!c->group->linked)
+                group_free(c->group); /* never spawned: nothing to watch */
+            free(c);
+            continue; /* nobody waits for a release */
+        }
+        pthread_mutex_lock(&L->mu);
+        c->done = 1;
+        pthread_cond_broadcast(&L->cmd_done);
+        pthread_mutex_unlock(&L->mu);
+    }
+}
+
+static void *loop_main(void *arg)
+{
+    torchmp_loop *L = arg;
+    torchmp_event events[MAX_EVENTS];
+
+    for (;;) {
+        int n = torchmp_poller_wait(L->poller, events, MAX_EVENTS);
+        if (n < 0) {
+            /* EBADF/EINVAL would mean our own bookkeeping broke; ENOMEM is
+             * transient.  Never spin hot. */
+            struct timespec ts = {0, 1000000};
+            nanosleep(&ts, NULL);
+            continue;
+        }
+        for (int i = 0; i < n; i++) {
+            int kind = *(int *)events[i].ptr;
+            if (kind == WATCH_CONTROL) {
+                notify_drain(L->wake_r);
+                if (L->backend == TORCHMP_BACKEND_POLL)
+                    reap_scan(L);
+                run_commands(L);
+            } else if (kind == WATCH_STREAM) {
+                stream *s = events[i].ptr;
+                if (s->fd >= 0)
+                    stream_pump(L, s, -1);
+            } else if (kind == WATCH_PROC) {
+                torchmp_proc *p = events[i].ptr;
+                if (p->info.state == TORCHMP_PROC_RUNNING)
+                    (void)proc_try_reap(L, p);
+            }
+        }
+        collect_groups(L);
+    }
+    return NULL;
+}
+
+static int choose_backend(void)
+{
+    const char *forced = getenv("TORCHMP_BACKEND");
+    if (forced != NULL && strcmp(forced, "poll") == 0)
+        return TORCHMP_BACKEND_POLL;
+#if defined(TORCHMP_HAVE_EPOLL) && defined(TORCHMP_HAVE_PIDFD)
+    {
+        /* pidfd_open arrived in Linux 5.3: probe it on ourselves. */
+        int fd = (int)syscall(SYS_pidfd_open, getpid(), 0);
+        if (fd >= 0) {
+            close(fd);
+            return TORCHMP_BACKEND_EPOLL;
+        }
+    }
+#endif
+    return TORCHMP_BACKEND_POLL;
+}
+
+static torchmp_loop *loop_create(void)
+{
+    torchmp_loop *L = calloc(1, sizeof(*L));
+    sigset_t all, old;
+    const char *no_vfork;
+    int saved;
+
+    if (L == NULL)
+        return NULL;
+    L->kind = WATCH_CONTROL;
+    L->owner_pid = getpid();
+    L->wake_r = L->wake_w = -1;
+    L->backend = choose_backend();
+    L->max_fd = sysconf(_SC_OPEN_MAX);
+    if (L->max_fd <= 0 || L->max_fd > (1L << 20))
+        L->max_fd = 1L << 20;
+    no_vfork = getenv("TORCHMP_NO_VFORK");
+#ifdef TORCHMP_HAVE_VFORK
+    L->use_vfork = !(no_vfork != NULL && no_vfork[0] != '\0' && strcmp(no_vfork, "0") != 0);
+#else
+    (void)no_vfork;
+    L->use_vfork = 0;
+#endif
+
+    L->readbuf = malloc(READ_CHUNK);
+    if (L->readbuf == NULL)
+        goto fail;
+    if (notify_open(&L->wake_r, &L->wake_w) != 0)
+        goto fail;
+    L->poller = torchmp_poller_new(L->backend);
+    if (L->poller == NULL)
+        goto fail;
+    if (torchmp_poller_add(L->poller, L->wake_r, L) != 0)
+        goto fail;
+    if (pthread_mutex_init(&L->mu, NULL) != 0)
+        goto fail;
+    if (pthread_cond_init(&L->cmd_done, NULL) != 0) {
+        pthread_mutex_destroy(&L->mu);
+        goto fail;
+    }
+    if (L->backend == TORCHMP_BACKEND_POLL && install_sigchld(L->wake_w) != 0)
+        goto fail_sync;
+
+    /* The thread starts with every signal blocked. */
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    saved = pthread_create(&L->thread, NULL, loop_main, L);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (saved != 0) {
+        errno = saved;
+        goto fail_sync;
+    }
+#ifdef __linux__
+    pthread_setname_np(L->thread, "torchmp-io");
+#endif
+    pthread_detach(L->thread);
+    return L;
+
+fail_sync:
+    saved = errno;
+    pthread_cond_destroy(&L->cmd_done);
+    pthread_mutex_destroy(&L->mu);
+    errno = saved;
+fail:
+    saved = errno;
+    if (L->backend == TORCHMP_BACKEND_POLL && sigchld_wake_fd == L->wake_w && L->wake_w >= 0) {
+        sigaction(SIGCHLD, &previous_sigchld, NULL);
+        sigchld_wake_fd = -1;
+    }
+    torchmp_poller_free(L->poller);
+    notify_close(&L->wake_r, &L->wake_w);
+    free(L->readbuf);
+    free(L);
+    errno = saved;
+    return NULL;
+}
+
+/* The loop of this process.  After a fork the child has no I/O thread: it
+ * gets a loop of its own, and the parent's state (whose mutex may have been
+ * held by a thread that no longer exists) is abandoned, not touched. */
+static torchmp_loop *loop_get(void)
+{
+    if (the_loop != NULL && the_loop->owner_pid == getpid())
+        return the_loop;
+    the_loop = loop_create();
+    return the_loop;
+}
+
+int torchmp_loop_backend(void)
+{
+    torchmp_loop *L = loop_get();
+    return L == NULL ? -1 : L->backend;
+}
+
+int torchmp_loop_fd_count(void)
+{
+    torchmp_loop *L = loop_get();
+    if (L == NULL)
+        return -1;
+    /* poller fds + the epoll fd itself */
+    return torchmp_poller_fd_count(L->poller) + (L->backend == TORCHMP_BACKEND_EPOLL ? 1 : 0) +
+           (L->wake_w != L->wake_r ? 1 : 0);
+}
+
+/* Queue a command and wait for the loop to run it (unless it is a release). */
+static int submit(torchmp_loop *L, command *c, int wait_done)
+{
+    c->next = NULL;
+    c->done = 0;
+    pthread_mutex_lock(&L->mu);
+    if (L->cmd_tail != NULL)
+        L->cmd_tail->next = c;
+    else
+        L->cmd_head = c;
+    L->cmd_tail = c;
+    pthread_mutex_unlock(&L->mu);
+    notify_post(L->wake_w);
+    if (!wait_done)
+        return 0;
+    pthread_mutex_lock(&L->mu);
+    while (!c->done)
+        pthread_cond_wait(&L->cmd_done, &L->mu);
+    pthread_mutex_unlock(&L->mu);
+    return 0;
+}
+
+/* ---- public API --------------------------------------------------------- */
+
+torchmp_group *torchmp_group_new(int nprocs,
+                                 const torchmp_needles *out_needles, int filtered_out_fd,
+                                 const torchmp_needles *err_needles, int filtered_err_fd)
+{
+    torchmp_loop *L = loop_get();
+    torchmp_group *g;
+    const torchmp_needles *needles[2] = {out_needles, err_needles};
+    int filtered[2] = {filtered_out_fd, filtered_err_fd};
+    int saved;
+
+    if (L == NULL)
+        return NULL;
+    if (nprocs < 0) {
+        errno = EINVAL;
+        return NULL;
+    }
+    g = calloc(1, sizeof(*g));
+    if (g == NULL)
+        return NULL;
+    g->loop = L;
+    g->nprocs = nprocs;
+    g->notify_r = g->notify_w = -1;
+    g->filtered_fd[0] = g->filtered_fd[1] = -1;
+    g->console_fd[0] = 1;
+    g->console_fd[1] = 2;
+    g->procs = calloc(nprocs > 0 ? (size_t)nprocs : 1, sizeof(torchmp_proc));
+    if (g->procs == NULL)
+        goto fail;
+    for (int i = 0; i < nprocs; i++) {
+        torchmp_proc *p = &g->procs[i];
+        p->kind = WATCH_PROC;
+        p->rank = i;
+        p->pidfd = -1;
+        p->group = g;
+        p->info.state = TORCHMP_PROC_UNSTARTED;
+        for (int w = 0; w < 2; w++) {
+            p->streams[w].kind = WATCH_STREAM;
+            p->streams[w].fd = -1;
+            p->streams[w].log_fd = -1;
+            p->streams[w].which = w;
+            p->streams[w].proc = p;
+            torchmp_framer_init(&p->streams[w].framer, NULL, 0, MAX_LINE);
+        }
+    }
+    for (int w = 0; w < 2; w++) {
+        if (needles[w] != NULL) {
+            if (needles_copy(&g->needles[w], needles[w]) != 0)
+                goto fail;
+            g->has_needles[w] = 1;
+        }
+        if (filtered[w] >= 0) {
+            g->filtered_fd[w] = fcntl(filtered[w], F_DUPFD_CLOEXEC, 3);
+            if (g->filtered_fd[w] < 0)
+                goto fail;
+        }
+    }
+    if (notify_open(&g->notify_r, &g->notify_w) != 0)
+        goto fail;
+
+    /* The loop thread links the group into its list with the first spawn;
+     * the group list is loop-thread state. */
+    return g;
+
+fail:
+    saved = errno;
+    group_free(g);
+    errno = saved;
+    return NULL;
+}
+
+static int group_is_ours(torchmp_group *g)
+{
+    if (g->loop->owner_pid != getpid()) {
+        errno = ECHILD; /* a group inherited across fork belongs to the parent */
+        return 0;
+    }
+    return 1;
+}
+
+int torchmp_group_spawn(torchmp_group *g, torchmp_rank_spec *specs, int count, torchmp_exec_error *err)
+{
+    command c;
+    torchmp_loop *L = g->loop;
+
+    if (!group_is_ours(g))
+        return -1;
+    if (count > g->nprocs) {
+        errno = EINVAL;
+        return -1;
+    }
+    memset(&c, 0, sizeof(c));
+    c.type = CMD_SPAWN;
+    c.group = g;
+    c.specs = specs;
+    c.count = count;
+    submit(L, &c, 1);
+    *err = c.err;
+    return c.result;
+}
+
+uint64_t torchmp_group_snapshot(torchmp_group *g, torchmp_proc_info *out, int n)
+{
+    uint64_t version;
+    torchmp_loop *L = g->loop;
+    if (n > g->nprocs)
+        n = g->nprocs;
+    if (!group_is_ours(g)) {
+        for (int i = 0; i < n; i++)
+            out[i] = g->procs[i].info;
+        return g->version;
+    }
+    pthread_mutex_lock(&L->mu);
+    for (int i = 0; i < n; i++)
+        out[i] = g->procs[i].info;
+    version = g->version;
+    pthread_mutex_unlock(&L->mu);
+    return version;
+}
+
+int torchmp_group_notify_fd(torchmp_group *g)
+{
+    return g->notify_r;
+}
+
+void torchmp_group_drain_notify(torchmp_group *g)
+{
+    notify_drain(g->notify_r);
+}
+
+int torchmp_group_killpg(torchmp_group *g, int sig, int include_exited)
+{
+    torchmp_loop *L = g->loop;
+    int first_errno = 0;
+    if (!group_is_ours(g))
+        return -1;
+    for (int i = 0; i < g->nprocs; i++) {
+        int state;
+        pid_t pid;
+        pthread_mutex_lock(&L->mu);
+        state = g->procs[i].info.state;
+        pid = g->procs[i].info.pid;
+        pthread_mutex_unlock(&L->mu);
+        if (state == TORCHMP_PROC_UNSTARTED || pid <= 0)
+            continue;
+        if (state == TORCHMP_PROC_EXITED && !include_exited)
+            continue;
+        /* The worker called setsid(), so its pid is its process group. */
+        if (kill(-pid, sig) != 0 && errno != ESRCH && first_errno == 0)
+            first_errno = errno;
+    }
+    if (first_errno != 0) {
+        errno = first_errno;
+        return -1;
+    }
+    return 0;
+}
+
+int torchmp_group_finish_streams(torchmp_group *g)
+{
+    command c;
+    if (!group_is_ours(g))
+        return -1;
+    memset(&c, 0, sizeof(c));
+    c.type = CMD_FINISH;
+    c.group = g;
+    submit(g->loop, &c, 1);
+    return 0;
+}
+
+void torchmp_group_release(torchmp_group *g)
+{
+    command *c;
+    if (!group_is_ours(g))
+        return; /* the parent's loop owns it; leave it alone */
+    c = calloc(1, sizeof(*c));
+    if (c == NULL) {
+        /* Cannot hand it over: leaking the group is the only safe choice. */
+        return;
+    }
+    c->type = CMD_RELEASE;
+    c->group = g;
+    submit(g->loop, c, 0);
+}

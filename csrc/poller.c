@@ -1,0 +1,176 @@
+/*
+ * Readiness backends for the I/O thread: epoll on Linux, poll() elsewhere (or
+ * when forced with TORCHMP_BACKEND=poll).  Both are level-triggered and follow
+ * the stdlib selectors contract: HUP and ERR count as readable (the reader
+ * then sees 0 or an error), EINTR returns no events.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include "torchmp.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#ifdef TORCHMP_HAVE_EPOLL
+#include <sys/epoll.h>
+#endif
+
+typedef struct {
+    int fd;
+    void *ptr;
+} watch_slot;
+
+struct torchmp_poller {
+    int backend;
+    int epfd;                 /* epoll backend */
+    int count;                /* registered fds */
+    /* poll backend: registered fds, and the pollfd array rebuilt per wait */
+    watch_slot *slots;
+    int slots_cap;
+    struct pollfd *pfds;
+    int pfds_cap;
+};
+
+torchmp_poller *torchmp_poller_new(int backend)
+{
+    torchmp_poller *p = calloc(1, sizeof(*p));
+    if (p == NULL)
+        return NULL;
+    p->backend = backend;
+    p->epfd = -1;
+#ifdef TORCHMP_HAVE_EPOLL
+    if (backend == TORCHMP_BACKEND_EPOLL) {
+        p->epfd = epoll_create1(EPOLL_CLOEXEC);
+        if (p->epfd < 0) {
+            int saved = errno;
+            free(p);
+            errno = saved;
+            return NULL;
+        }
+        return p;
+    }
+#endif
+    if (backend != TORCHMP_BACKEND_POLL) {
+        free(p);
+        errno = ENOSYS;
+        return NULL;
+    }
+    return p;
+}
+
+void torchmp_poller_free(torchmp_poller *p)
+{
+    if (p == NULL)
+        return;
+    if (p->epfd >= 0)
+        close(p->epfd);
+    free(p->slots);
+    free(p->pfds);
+    free(p);
+}
+
+int torchmp_poller_add(torchmp_poller *p, int fd, void *ptr)
+{
+#ifdef TORCHMP_HAVE_EPOLL
+    if (p->backend == TORCHMP_BACKEND_EPOLL) {
+        struct epoll_event ev;
+        memset(&ev, 0, sizeof(ev));
+        ev.events = EPOLLIN;
+        ev.data.ptr = ptr;
+        if (epoll_ctl(p->epfd, EPOLL_CTL_ADD, fd, &ev) != 0)
+            return -1;
+        p->count++;
+        return 0;
+    }
+#endif
+    if (p->count == p->slots_cap) {
+        int cap = p->slots_cap ? p->slots_cap * 2 : 64;
+        watch_slot *grown = realloc(p->slots, (size_t)cap * sizeof(*grown));
+        if (grown == NULL)
+            return -1;
+        p->slots = grown;
+        p->slots_cap = cap;
+    }
+    p->slots[p->count].fd = fd;
+    p->slots[p->count].ptr = ptr;
+    p->count++;
+    return 0;
+}
+
+int torchmp_poller_del(torchmp_poller *p, int fd)
+{
+#ifdef TORCHMP_HAVE_EPOLL
+    if (p->backend == TORCHMP_BACKEND_EPOLL) {
+        /* A non-NULL event pointer keeps pre-2.6.9 kernels happy. */
+        struct epoll_event ev;
+        memset(&ev, 0, sizeof(ev));
+        if (epoll_ctl(p->epfd, EPOLL_CTL_DEL, fd, &ev) != 0)
+            return -1;
+        p->count--;
+        return 0;
+    }
+#endif
+    for (int i = 0; i < p->count; i++) {
+        if (p->slots[i].fd == fd) {
+            p->slots[i] = p->slots[p->count - 1];
+            p->count--;
+            return 0;
+        }
+    }
+    errno = ENOENT;
+    return -1;
+}
+
+int torchmp_poller_fd_count(const torchmp_poller *p)
+{
+    return p->count;
+}
+
+int torchmp_poller_wait(torchmp_poller *p, torchmp_event *events, int max_events)
+{
+#ifdef TORCHMP_HAVE_EPOLL
+    if (p->backend == TORCHMP_BACKEND_EPOLL) {
+        struct epoll_event evs[256];
+        int want = max_events < 256 ? max_events : 256;
+        int n = epoll_wait(p->epfd, evs, want, -1);
+        if (n < 0)
+            return errno == EINTR ? 0 : -1;
+        for (int i = 0; i < n; i++) {
+            events[i].ptr = evs[i].data.ptr;
+            events[i].readable = (evs[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) != 0;
+        }
+        return n;
+    }
+#endif
+    {
+        int n, out = 0;
+        if (p->count > p->pfds_cap) {
+            struct pollfd *grown = realloc(p->pfds, (size_t)p->slots_cap * sizeof(*grown));
+            if (grown == NULL)
+                return -1;
+            p->pfds = grown;
+            p->pfds_cap = p->slots_cap;
+        }
+        for (int i = 0; i < p->count; i++) {
+            p->pfds[i].fd = p->slots[i].fd;
+            p->pfds[i].events = POLLIN;
+            p->pfds[i].revents = 0;
+        }
+        n = poll(p->pfds, (nfds_t)p->count, -1);
+        if (n < 0)
+            return errno == EINTR ? 0 : -1;
+        for (int i = 0; i < p->count && out < max_events; i++) {
+            if (p->pfds[i].revents & (POLLIN | POLLHUP | POLLERR | POLLNVAL)) {
+                events[out].ptr = p->slots[i].ptr;
+                events[out].readable = 1;
+                out++;
+            }
+        }
+        return out;
+    }
+}

@@ -1,0 +1,235 @@
+/*
+ * torchmp native core: one header for the C files in csrc/.
+ *
+ *   spawn.c   fork/vfork + exec of one worker, errors back through a CLOEXEC pipe
+ *   framer.c  per-stream line framing for the console (prefix + whole lines)
+ *   poller.c  epoll (Linux) or poll() readiness backends behind one interface
+ *   loop.c    the process-wide I/O thread: tee pipes, pidfds, reaping, commands
+ *
+ * Conventions (psutil style): functions return 0 / a value on success and -1
+ * with errno set on failure; policy lives in Python (torchmp/api.py); the
+ * Cython module (_core.pyx) turns errno into OSError.
+ */
+#ifndef TORCHMP_H
+#define TORCHMP_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+/* ---------------------------------------------------------------------------
+ * Platform features.  TORCHMP_PORTABLE switches every Linux-only facility off
+ * so CI can prove the fallback paths compile and work on Linux too.
+ */
+#if defined(__linux__) && !defined(TORCHMP_PORTABLE)
+#define TORCHMP_HAVE_EPOLL 1
+#define TORCHMP_HAVE_EVENTFD 1
+#define TORCHMP_HAVE_PIDFD 1
+#define TORCHMP_HAVE_PDEATHSIG 1
+#define TORCHMP_HAVE_CLOSE_RANGE 1
+#define TORCHMP_HAVE_VFORK 1
+#define TORCHMP_HAVE_PROC_FD_DIR 1
+#endif
+
+/* ---------------------------------------------------------------------------
+ * spawn.c
+ */
+
+/* Where a worker's setup failed; travels from the child in a torchmp_exec_error
+ * record.  Values are part of the record format: append only. */
+enum torchmp_spawn_step {
+    TORCHMP_STEP_NONE = 0,
+    TORCHMP_STEP_PIPE = 1,        /* parent: error pipe */
+    TORCHMP_STEP_FORK = 2,        /* parent: fork/vfork */
+    TORCHMP_STEP_SIGNALS = 3,     /* child: reset dispositions / mask */
+    TORCHMP_STEP_SETSID = 4,
+    TORCHMP_STEP_PDEATHSIG = 5,
+    TORCHMP_STEP_DUP_STDOUT = 6,
+    TORCHMP_STEP_DUP_STDERR = 7,
+    TORCHMP_STEP_CLOSE_FDS = 8,
+    TORCHMP_STEP_EXEC = 9,
+    TORCHMP_STEP_PROTOCOL = 10,   /* parent: short record from the child */
+    TORCHMP_STEP_CHDIR = 11,
+    TORCHMP_STEP_PIDFD = 12,      /* parent: pidfd_open after a good exec */
+    TORCHMP_STEP_STREAM = 13,     /* parent: tee pipe for the worker */
+    TORCHMP_STEP__COUNT
+};
+
+/* The fixed-size record a child writes once to the error pipe before _exit. */
+typedef struct {
+    int32_t step;
+    int32_t errnum;
+} torchmp_exec_error;
+
+typedef struct {
+    const char *path;          /* resolved executable (PATH lookup done by the caller) */
+    char *const *argv;         /* NULL-terminated, built before fork */
+    char *const *envp;         /* NULL-terminated, built before fork */
+    const char *cwd;           /* NULL: inherit */
+    int stdout_fd;             /* -1: inherit the launcher's fd 1 */
+    int stderr_fd;             /* -1: inherit the launcher's fd 2 */
+    int keep_fd;               /* one extra fd the worker keeps at the same number, or -1 */
+    int use_vfork;             /* safe only when every signal is blocked in the caller */
+    int pdeathsig;             /* 0: none */
+    pid_t parent_pid;          /* getpid() of the launcher, for the PDEATHSIG race check */
+    long max_fd;               /* bound for the brute-force close fallback */
+} torchmp_spawn_args;
+
+/* Start one worker.  0 and *pid_out on success (the child has exec'd); -1 with
+ * *err filled on failure (the child, if any, has been reaped).  Never raises
+ * a signal in the caller; errno is also set to err->errnum. */
+int torchmp_spawn(const torchmp_spawn_args *args, pid_t *pid_out, torchmp_exec_error *err);
+
+/* Human-readable name of a spawn step, for exception messages. */
+const char *torchmp_step_name(int step);
+
+/* ---------------------------------------------------------------------------
+ * framer.c: console line framing for one stream.
+ *
+ * Complete lines go out as prefix + line, each line whole in one writev, so
+ * lines of different ranks never tear into each other.  An unterminated tail
+ * is kept until its newline arrives, until it exceeds max_line (then it goes
+ * out with a newline added, so a stream with no newlines cannot grow memory
+ * without bound), or until torchmp_framer_flush (end of stream / worker exit).
+ */
+typedef struct torchmp_needles {
+    size_t count;
+    char **data;
+    size_t *len;
+} torchmp_needles;
+
+typedef struct torchmp_framer {
+    const char *prefix;        /* borrowed from the stream */
+    size_t prefix_len;
+    char *partial;             /* unterminated tail of the last chunk */
+    size_t partial_len;
+    size_t partial_cap;
+    size_t max_line;
+} torchmp_framer;
+
+/* Where framed lines go.  A sink fd of -1 is skipped; a sink whose write
+ * fails permanently is switched off (its fd set to -1) and the errno kept. */
+typedef struct torchmp_line_sinks {
+    int *console_fd;                   /* shared per console: -1 once broken */
+    int *filtered_fd;                  /* NULL or shared per context */
+    const torchmp_needles *needles;    /* NULL: no filtered copy */
+    int *console_errno;
+    int *filtered_errno;
+} torchmp_line_sinks;
+
+void torchmp_framer_init(torchmp_framer *f, const char *prefix, size_t prefix_len, size_t max_line);
+void torchmp_framer_free(torchmp_framer *f);
+/* Frame one chunk; -1 with errno ENOMEM if the tail buffer cannot grow (the
+ * chunk is then written out unframed rather than lost). */
+int torchmp_framer_feed(torchmp_framer *f, const char *data, size_t len, const torchmp_line_sinks *sinks);
+/* Emit the unterminated tail, if any, with a newline added. */
+void torchmp_framer_flush(torchmp_framer *f, const torchmp_line_sinks *sinks);
+
+/* write(2) all of buf, retrying EINTR/partial writes and waiting out EAGAIN.
+ * 0 or -1 with errno. */
+int torchmp_write_all(int fd, const char *buf, size_t len);
+
+/* ---------------------------------------------------------------------------
+ * poller.c
+ */
+typedef struct torchmp_poller torchmp_poller;
+
+typedef struct {
+    void *ptr;
+    int readable;      /* POLLIN/EPOLLIN, or HUP/ERR: read until 0 or EAGAIN */
+} torchmp_event;
+
+enum torchmp_backend { TORCHMP_BACKEND_EPOLL = 1, TORCHMP_BACKEND_POLL = 2 };
+
+torchmp_poller *torchmp_poller_new(int backend);
+void torchmp_poller_free(torchmp_poller *p);
+int torchmp_poller_add(torchmp_poller *p, int fd, void *ptr);
+int torchmp_poller_del(torchmp_poller *p, int fd);
+/* Wait forever; returns the number of events (0 on EINTR) or -1. */
+int torchmp_poller_wait(torchmp_poller *p, torchmp_event *events, int max_events);
+int torchmp_poller_fd_count(const torchmp_poller *p);
+
+/* ---------------------------------------------------------------------------
+ * loop.c: the I/O thread and worker groups (one group per PContext).
+ */
+typedef struct torchmp_group torchmp_group;
+
+enum torchmp_stream_mode {
+    TORCHMP_STREAM_INHERIT = 0,    /* the launcher's own fd */
+    TORCHMP_STREAM_FILE = 1,       /* dup2 of an open file: no loop involvement */
+    TORCHMP_STREAM_TEE = 2         /* a pipe drained by the loop into log + console */
+};
+
+typedef struct {
+    int mode;
+    int fd;                    /* FILE: the file; TEE: the log file or -1 (borrowed, dup'ed) */
+    int console;               /* TEE: 1, 2 or -1 (no console copy) */
+    const char *prefix;        /* TEE: console prefix (copied) */
+    size_t prefix_len;
+} torchmp_stream_spec;
+
+typedef struct {
+    torchmp_spawn_args args;   /* stdout_fd/stderr_fd are filled in by the loop */
+    torchmp_stream_spec out;
+    torchmp_stream_spec err;
+} torchmp_rank_spec;
+
+enum torchmp_proc_state {
+    TORCHMP_PROC_UNSTARTED = 0,
+    TORCHMP_PROC_RUNNING = 1,
+    TORCHMP_PROC_EXITED = 2
+};
+
+/* What Python reads about one rank (a copy taken under the loop mutex). */
+typedef struct {
+    int state;
+    pid_t pid;
+    int wait_status;           /* raw status from wait4 */
+    int64_t start_mono_ns;
+    int64_t exit_mono_ns;
+    int64_t exit_real_ns;
+    int64_t utime_ns;
+    int64_t stime_ns;
+    int64_t maxrss_kb;
+    int out_log_errno;         /* first failure writing the log file, 0 if none */
+    int err_log_errno;
+} torchmp_proc_info;
+
+/* Which backend the process-wide loop uses (starting it if needed), or -1. */
+int torchmp_loop_backend(void);
+
+/* A group of nprocs ranks.  Needles are copied.  filtered_*_fd are dup'ed
+ * (-1: none).  NULL with errno on failure. */
+torchmp_group *torchmp_group_new(int nprocs,
+                                 const torchmp_needles *out_needles, int filtered_out_fd,
+                                 const torchmp_needles *err_needles, int filtered_err_fd);
+
+/* Spawn ranks [0, count) on the loop thread.  Returns the number started; on
+ * a failure at rank k returns k with *err filled.  -1 with errno if the loop
+ * could not take the request at all. */
+int torchmp_group_spawn(torchmp_group *g, torchmp_rank_spec *specs, int count, torchmp_exec_error *err);
+
+/* Copy the per-rank state; returns the group's change counter. */
+uint64_t torchmp_group_snapshot(torchmp_group *g, torchmp_proc_info *out, int n);
+
+/* The fd that becomes readable whenever a rank's exit is recorded; drain
+ * with torchmp_group_drain_notify before reading a snapshot. */
+int torchmp_group_notify_fd(torchmp_group *g);
+void torchmp_group_drain_notify(torchmp_group *g);
+
+/* Signal the process group of every started rank (include_exited: also the
+ * groups of ranks whose leader already exited, to reach grandchildren). */
+int torchmp_group_killpg(torchmp_group *g, int sig, int include_exited);
+
+/* Drain what is readable now, flush partial lines and close every stream of
+ * the group (grandchildren holding a pipe no longer keep it alive). */
+int torchmp_group_finish_streams(torchmp_group *g);
+
+/* Python no longer references the group; the loop frees it once every rank
+ * is reaped and every stream is closed. */
+void torchmp_group_release(torchmp_group *g);
+
+/* Number of fds the loop holds (for tests of the fd budget). */
+int torchmp_loop_fd_count(void);
+
+#endif /* TORCHMP_H */

@@ -1,0 +1,85 @@
+"""Build torchmp's one private extension, torchmp._core, from csrc/.
+
+Knobs (environment variables):
+  TORCHMP_DEBUG=1     -O0 -g, assertions on, Cython line tracing
+  TORCHMP_ANNOTATE=1  write Cython's HTML annotation next to the .pyx
+  TORCHMP_PORTABLE=1  build without epoll, pidfd, eventfd, prctl, close_range
+                      and vfork: the paths other POSIX systems take
+  TORCHMP_SANITIZE=1  AddressSanitizer + UndefinedBehaviorSanitizer
+
+There is no pure-Python fallback: if the extension cannot be built, the
+install fails.
+"""
+import os
+import re
+import sys
+
+from setuptools import Extension, setup
+
+try:
+    from Cython.Build import cythonize
+except ImportError:  # pragma: no cover - build-system requires Cython
+    sys.exit("torchmp: building needs Cython >= 3 (pip install Cython)")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _flag(name):
+    return os.environ.get(name, "") not in ("", "0")
+
+
+def _version():
+    with open(os.path.join(HERE, "torchmp", "_version.py"), encoding="utf-8") as f:
+        match = re.search(r'^__version__ = "([^"]+)"', f.read(), re.M)
+    if not match:
+        raise RuntimeError("torchmp/_version.py has no __version__")
+    return match.group(1)
+
+
+VERSION = _version()
+DEBUG = _flag("TORCHMP_DEBUG")
+PORTABLE = _flag("TORCHMP_PORTABLE")
+SANITIZE = _flag("TORCHMP_SANITIZE")
+
+define_macros = [("TORCHMP_VERSION", '"%s"' % VERSION)]
+undef_macros = []
+compile_args = ["-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fvisibility=hidden"]
+link_args = []
+directives = {"language_level": 3, "embedsignature": True}
+
+if DEBUG:
+    compile_args += ["-O0", "-g3"]
+    undef_macros.append("NDEBUG")
+    define_macros.append(("CYTHON_TRACE_NOGIL", "1"))
+    directives["linetrace"] = True
+else:
+    compile_args += ["-O2"]
+if PORTABLE:
+    define_macros.append(("TORCHMP_PORTABLE", "1"))
+if SANITIZE:
+    compile_args += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g"]
+    link_args += ["-fsanitize=address,undefined"]
+
+C_SOURCES = ["csrc/spawn.c", "csrc/framer.c", "csrc/poller.c", "csrc/loop.c"]
+
+extension = Extension(
+    "torchmp._core",
+    sources=["csrc/_core.pyx"] + C_SOURCES,
+    include_dirs=["csrc"],
+    define_macros=define_macros,
+    undef_macros=undef_macros,
+    extra_compile_args=compile_args,
+    extra_link_args=link_args,
+    depends=["csrc/torchmp.h", "csrc/ctorchmp.pxd"] + C_SOURCES,
+)
+
+setup(
+    version=VERSION,
+    ext_modules=cythonize(
+        [extension],
+        compiler_directives=directives,
+        annotate=_flag("TORCHMP_ANNOTATE"),
+        include_path=["csrc"],
+        force=DEBUG or PORTABLE or SANITIZE,
+    ),
+)

@@ -1,0 +1,804 @@
+"""Launch and manage ``n`` copies of a worker: the contexts and their results.
+
+This module mirrors ``torch.distributed.elastic.multiprocessing.api``: the
+same class names, the same constructor signatures and the same behaviour, so
+code written against either import path works.  The work itself (fork/exec,
+redirection, the tee multiplexer, reaping) is done by the native I/O thread
+in :mod:`torchmp._core`; this module only decides what to launch and how to
+report it.
+
+Example (binary workers, torch 2.x form)::
+
+    from torchmp import start_processes, DefaultLogsSpecs, Std
+
+    ctx = start_processes(
+        name="trainer",
+        entrypoint="echo",
+        args={0: ("hello",), 1: ("world",)},
+        envs={0: {}, 1: {}},
+        logs_specs=DefaultLogsSpecs(log_dir="/tmp/logs", tee=Std.ALL),
+    )
+    result = ctx.wait()          # event-driven: returns as the last rank exits
+    assert not result.is_failed()
+    ctx.close()
+
+Errors:
+
+========================  ==================================================
+what went wrong           what you get
+========================  ==================================================
+args/envs mis-keyed       ``RankMappingError`` (a ValueError and RuntimeError)
+bad env key/value         ``ValueError`` naming the rank and the key
+binary not found          ``FileNotFoundError`` (before anything starts)
+binary not executable     ``PermissionError`` (before anything starts)
+exec failed at rank k     the matching ``OSError``; ranks < k are reaped
+a rank failed             ``RunProcsResult.failures`` (``ProcessFailure``)
+launcher got a signal     ``SignalException`` (from ``start``/``wait``)
+========================  ==================================================
+"""
+
+from __future__ import annotations
+
+import abc
+import errno
+import logging
+import os
+import signal
+import stat
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+from torchmp import _core
+from torchmp.errors import ProcessFailure
+from torchmp.logs_specs import (
+    DefaultLogsSpecs,
+    LegacyLogsSpecs,
+    LogsDest,
+    LogsSpecs,
+    RankMappingError,
+    Std,
+    to_map,
+    validate_full_rank,
+)
+
+__all__ = [
+    "DefaultLogsSpecs",
+    "LogsDest",
+    "LogsSpecs",
+    "MultiprocessContext",
+    "PContext",
+    "ResourceUsage",
+    "RunProcsResult",
+    "SignalException",
+    "Std",
+    "SubprocessContext",
+    "to_map",
+]
+
+logger = logging.getLogger(__name__)
+
+# How long close() waits for a SIGKILLed worker before abandoning it: a worker
+# in uninterruptible sleep (D state, e.g. wedged on a device) cannot be reaped,
+# and the launcher must not hang on it.
+KILL_GRACE_SECONDS = 5.0
+
+_LOG_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+
+
+class SignalException(Exception):
+    """Raised in the launcher when it receives one of the handled signals
+    (``TORCHELASTIC_SIGNALS_TO_HANDLE``, default SIGTERM, SIGINT, SIGHUP,
+    SIGQUIT).  Catch it, ``close(e.sigval)`` the context, and exit."""
+
+    def __init__(self, msg: str, sigval: signal.Signals) -> None:
+        super().__init__(msg)
+        self.sigval = sigval
+
+
+def _terminate_process_handler(signum: int, frame: FrameType | None) -> None:
+    sigval = signal.Signals(signum)
+    raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
+
+
+def _install_signal_handlers() -> None:
+    if threading.current_thread() is not threading.main_thread():
+        logger.warning(
+            "Failed to register signal handlers since torchmp is running on a child thread. "
+            "This could lead to orphaned worker processes if the launcher is terminated."
+        )
+        return
+    names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+    for name in names.split(","):
+        name = name.strip()
+        if not name:
+            continue
+        sig = getattr(signal, name, None)
+        if not isinstance(sig, signal.Signals):
+            logger.warning("Failed to register signal handler for %s: no such signal", name)
+            continue
+        try:
+            signal.signal(sig, _terminate_process_handler)
+        except (OSError, ValueError, RuntimeError) as e:
+            logger.warning("Failed to register signal handler for %s: %s", name, e)
+
+
+@dataclass(frozen=True)
+class ResourceUsage:
+    """What one rank cost, measured by the launcher when it reaped the rank.
+
+    ``wall_time``, ``user_time`` and ``system_time`` are seconds; ``max_rss``
+    is bytes (the peak resident set of the worker or of its largest waited-for
+    descendant, as ``getrusage`` reports it).
+    """
+
+    pid: int
+    exitcode: int
+    wall_time: float
+    user_time: float
+    system_time: float
+    max_rss: int
+
+
+@dataclass
+class RunProcsResult:
+    """Results of a completed run, all mapped by local rank.
+
+    ``return_values`` holds function return values (``None`` for each rank of
+    a binary launch that succeeded), ``failures`` the failed ranks,
+    ``stdouts``/``stderrs`` the log file paths (empty string: not redirected)
+    and, beyond torch, ``resources`` each reaped rank's :class:`ResourceUsage`.
+    """
+
+    return_values: dict[int, Any] = field(default_factory=dict)
+    failures: dict[int, ProcessFailure] = field(default_factory=dict)
+    stdouts: dict[int, str] = field(default_factory=dict)
+    stderrs: dict[int, str] = field(default_factory=dict)
+    resources: dict[int, ResourceUsage] = field(default_factory=dict)
+
+    def is_failed(self) -> bool:
+        return len(self.failures) > 0
+
+
+class PContext(abc.ABC):
+    """Base class of a set of launched workers (torch's ``PContext``).
+
+    Subclasses implement ``_start``, ``_poll``, ``pids`` and ``_close``.  The
+    base ``wait`` polls ``_poll`` every ``period`` seconds, exactly as torch
+    does, so user subclasses and mocks keep working; torchmp's own contexts
+    override it with an event-driven wait.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        entrypoint: Callable[..., Any] | str,
+        args: dict[int, tuple[Any, ...]],
+        envs: dict[int, dict[str, str]],
+        logs_specs: LogsSpecs,
+        log_line_prefixes: dict[int, str] | None = None,
+        duplicate_stdout_filters: list[str] | None = None,
+        duplicate_stderr_filters: list[str] | None = None,
+    ) -> None:
+        self.name = name
+        nprocs = len(args)
+        logs_dest = logs_specs.reify(envs)
+        validate_full_rank(logs_dest.stdouts, nprocs, "stdouts")
+        validate_full_rank(logs_dest.stderrs, nprocs, "stderrs")
+        self.entrypoint = entrypoint
+        self.args = args
+        self.envs = envs
+        self.stdouts = logs_dest.stdouts
+        self.stderrs = logs_dest.stderrs
+        self.error_files = logs_dest.error_files
+        self.nprocs = nprocs
+        self.log_line_prefixes = log_line_prefixes
+        self.duplicate_stdout_filters = duplicate_stdout_filters
+        self.duplicate_stderr_filters = duplicate_stderr_filters
+        self._logs_dest = logs_dest
+
+    def start(self) -> None:
+        """Start the workers; on the main thread, first install the handlers
+        that turn the termination signals into :class:`SignalException`."""
+        _install_signal_handlers()
+        self._start()
+
+    @abc.abstractmethod
+    def _start(self) -> None:
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    def _poll(self) -> RunProcsResult | None:
+        """All-or-nothing: a result once every rank succeeded or any failed."""
+        raise NotImplementedError
+
+    def wait(self, timeout: float = -1, period: float = 1) -> RunProcsResult | None:
+        """Wait up to ``timeout`` seconds (negative: forever, 0: just poll)
+        for a result; ``None`` if the workers are still running."""
+        if timeout == 0:
+            return self._poll()
+        deadline = None if timeout < 0 else time.monotonic() + timeout
+        while True:
+            result = self._poll()
+            if result is not None:
+                return result
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            nap = period if deadline is None else min(period, max(0.0, deadline - time.monotonic()))
+            time.sleep(nap)
+
+    @abc.abstractmethod
+    def pids(self) -> dict[int, int]:
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    def _close(self, death_sig: signal.Signals, timeout: int = 30) -> None:
+        raise NotImplementedError
+
+    def close(self, death_sig: signal.Signals | None = None, timeout: int = 30) -> None:
+        """Terminate every worker: ``death_sig`` (default SIGTERM) to each
+        worker's process group, SIGKILL to what is left after ``timeout``
+        seconds.  Idempotent."""
+        if not death_sig:
+            death_sig = signal.SIGTERM
+        self._close(death_sig=death_sig, timeout=timeout)
+
+    def __enter__(self) -> PContext:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------
+# Input checks shared by every launch path: all of them run before any
+# directory is created or any process started.
+
+
+def _check_name(name: object) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    return name
+
+
+def _encode_env_item(rank: int, key: object, value: object) -> tuple[bytes, bytes]:
+    if isinstance(key, str):
+        kb = os.fsencode(key)
+    elif isinstance(key, bytes):
+        kb = key
+    else:
+        raise ValueError(f"envs[{rank}]: environment variable names must be str, got {key!r}")
+    if not kb or b"=" in kb or b"\0" in kb:
+        raise ValueError(
+            f"envs[{rank}]: invalid environment variable name {key!r} "
+            "(it must be non-empty and contain neither '=' nor NUL)"
+        )
+    if isinstance(value, bytes):
+        vb = value
+    else:
+        try:
+            text = value if isinstance(value, str) else str(value)
+        except Exception as e:
+            raise ValueError(f"envs[{rank}][{key!r}]: value cannot be converted to str: {e}") from e
+        vb = os.fsencode(text)
+    if b"\0" in vb:
+        raise ValueError(f"envs[{rank}][{key!r}]: value contains a NUL byte")
+    return kb, vb
+
+
+def _normalize_args(args: object, what: str = "args") -> dict[int, tuple[Any, ...]]:
+    if not isinstance(args, Mapping):
+        raise RankMappingError(f"{what} must be a dict keyed by local rank, got {type(args).__name__}")
+    validate_full_rank(args, len(args), what)
+    out: dict[int, tuple[Any, ...]] = {}
+    for rank in range(len(args)):
+        value = args[rank]
+        if isinstance(value, (str, bytes)):
+            value = (value,)  # one argument, not a sequence of characters
+        elif value is None:
+            value = ()
+        else:
+            try:
+                value = tuple(value)
+            except TypeError:
+                raise ValueError(f"{what}[{rank}] must be a tuple of arguments, got {value!r}") from None
+        out[rank] = value
+    return out
+
+
+def _normalize_envs(envs: object, nprocs: int) -> dict[int, dict[str, str]]:
+    if envs is None:
+        return {rank: {} for rank in range(nprocs)}
+    if not isinstance(envs, Mapping):
+        raise RankMappingError(f"envs must be a dict keyed by local rank, got {type(envs).__name__}")
+    validate_full_rank(envs, nprocs, "envs")
+    for rank in range(nprocs):
+        env = envs[rank]
+        if not isinstance(env, Mapping):
+            raise ValueError(f"envs[{rank}] must be a dict of environment variables, got {type(env).__name__}")
+        for key, value in env.items():
+            _encode_env_item(rank, key, value)
+    return envs  # type: ignore[return-value]  # validated; reify mutates it like torch
+
+
+def _check_prefixes(prefixes: object, nprocs: int) -> dict[int, str] | None:
+    if prefixes is None:
+        return None
+    if not isinstance(prefixes, Mapping):
+        raise TypeError(f"log_line_prefixes must be a dict of rank -> str, got {type(prefixes).__name__}")
+    for rank, prefix in prefixes.items():
+        if not isinstance(rank, int) or not 0 <= rank < nprocs:
+            raise ValueError(f"log_line_prefixes: {rank!r} is not a local rank in 0..{nprocs - 1}")
+        if not isinstance(prefix, str):
+            raise TypeError(f"log_line_prefixes[{rank}] must be a str, got {type(prefix).__name__}")
+    return dict(prefixes)
+
+
+def _check_filters(filters: object, what: str) -> list[str] | None:
+    if filters is None:
+        return None
+    if isinstance(filters, str) or not all(isinstance(f, str) for f in filters):  # type: ignore[attr-defined]
+        raise TypeError(f"{what} must be a list of str, got {filters!r}")
+    return list(filters)  # type: ignore[call-overload]
+
+
+def _exec_search_path(env: Mapping[str, Any]) -> list[bytes]:
+    path = env.get("PATH")
+    if path is None:
+        path_b = os.environb.get(b"PATH", os.defpath.encode())
+    else:
+        path_b = os.fsencode(str(path))
+    return path_b.split(b":")
+
+
+def resolve_executable(entrypoint: str, env: Mapping[str, Any] | None = None) -> bytes:
+    """Find ``entrypoint`` the way a shell's execvp would, without a shell.
+
+    A name with a slash is used as given; otherwise each ``PATH`` entry (the
+    worker's ``PATH`` if ``env`` sets one) is tried in order.  Raises
+    ``FileNotFoundError`` if nothing matches and ``PermissionError`` if the
+    only matches cannot be executed.
+    """
+    name = os.fsencode(entrypoint)
+    if not name:
+        raise FileNotFoundError(errno.ENOENT, "empty command", entrypoint)
+    if b"\0" in name:
+        raise ValueError(f"entrypoint contains a NUL byte: {entrypoint!r}")
+    if b"/" in name:
+        candidates = [name]
+    else:
+        candidates = [os.path.join(d or b".", name) for d in _exec_search_path(env or {})]
+    denied: bytes | None = None
+    for candidate in candidates:
+        try:
+            st = os.stat(candidate)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) or not os.access(candidate, os.X_OK):
+            denied = denied or candidate
+            continue
+        return candidate
+    if denied is not None:
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fsdecode(denied))
+    raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), entrypoint)
+
+
+def _open_log(path: str) -> int:
+    """Open a log file for a worker: truncate, never through a symlink
+    planted in the log directory, mode from the umask."""
+    try:
+        return os.open(path, _LOG_FLAGS, 0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OSError(e.errno, f"refusing to follow a symlink for a log file: {path}", path) from None
+        raise
+
+
+def _exitcode(wait_status: int) -> int:
+    if os.WIFSIGNALED(wait_status):
+        return -os.WTERMSIG(wait_status)
+    if os.WIFEXITED(wait_status):
+        return os.WEXITSTATUS(wait_status)
+    return 255
+
+
+# ---------------------------------------------------------------------------
+# The native contexts.
+
+
+@dataclass
+class _LaunchPlan:
+    """One rank, ready for the native core (everything but the fds)."""
+
+    path: bytes
+    argv: list[bytes]
+    envp: list[bytes]
+    keep_fd: int = -1
+
+
+class _NativeContext(PContext):
+    """A PContext whose workers the native I/O thread starts, watches and
+    reaps.  Subclasses only say what each rank runs (``_launch_plans``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._group: Any = None
+        self._result: RunProcsResult | None = None
+        self._closed = False
+        self._terminated_by_launcher: set[int] = set()
+        self._abandoned: set[int] = set()
+
+    # -- what to run (subclass) ------------------------------------------
+    @abc.abstractmethod
+    def _launch_plans(self) -> list[_LaunchPlan]:
+        raise NotImplementedError
+
+    def _return_values(self, exited_ok: list[int]) -> dict[int, Any]:
+        return dict.fromkeys(range(self.nprocs))
+
+    # -- start ------------------------------------------------------------
+    def _prefix(self, rank: int) -> bytes:
+        if self.log_line_prefixes and rank in self.log_line_prefixes:
+            text = self.log_line_prefixes[rank]
+        else:
+            text = f"[{self.name}{rank}]:"
+        return os.fsencode(text)
+
+    def _stream_spec(self, rank: int, which: int, opened: list[int]) -> tuple[int, int, int, bytes | None]:
+        paths = self.stdouts if which == 0 else self.stderrs
+        tees = self._logs_dest.tee_stdouts if which == 0 else self._logs_dest.tee_stderrs
+        path = paths.get(rank, "")
+        if not path:
+            return (_core.STREAM_INHERIT, -1, -1, None)
+        fd = _open_log(path)
+        opened.append(fd)
+        if rank in tees:
+            return (_core.STREAM_TEE, fd, 1 + which, self._prefix(rank))
+        return (_core.STREAM_FILE, fd, -1, None)
+
+    def _start(self) -> None:
+        if self._group is not None:
+            raise ValueError("The workers are already started. Most likely start() got called twice.")
+        plans = self._launch_plans()
+        opened: list[int] = []
+        try:
+            filtered = []
+            for filters, path in (
+                (self.duplicate_stdout_filters, self._logs_dest.filtered_stdout),
+                (self.duplicate_stderr_filters, self._logs_dest.filtered_stderr),
+            ):
+                if filters:
+                    fd = _open_log(path)
+                    opened.append(fd)
+                    filtered.append(([os.fsencode(f) for f in filters], fd))
+                else:
+                    filtered.append((None, -1))
+            specs = []
+            for rank, plan in enumerate(plans):
+                out = self._stream_spec(rank, 0, opened)
+                err = self._stream_spec(rank, 1, opened)
+                specs.append((plan.path, plan.argv, plan.envp, out, err, plan.keep_fd))
+            self._group = _core.Group(self.nprocs, filtered[0][0], filtered[0][1], filtered[1][0], filtered[1][1])
+            try:
+                self._group.spawn(specs)
+            except _core.SpawnError as e:
+                logger.error("failed to start local rank %s of %s: %s", e.rank, self.name, e)
+                self._close(signal.SIGKILL, timeout=KILL_GRACE_SECONDS)
+                raise e.cause from None
+        finally:
+            for fd in opened:
+                os.close(fd)
+
+    # -- observe ----------------------------------------------------------
+    def pids(self) -> dict[int, int]:
+        if self._group is None:
+            return {}
+        _, ranks = self._group.snapshot()
+        return {rank: info[1] for rank, info in enumerate(ranks) if info[0] != _core.PROC_UNSTARTED}
+
+    def _decided(self, ranks: list[tuple[Any, ...]]) -> bool:
+        exited = [info for info in ranks if info[0] == _core.PROC_EXITED]
+        return len(exited) == self.nprocs or any(_exitcode(info[2]) != 0 for info in exited)
+
+    def _poll(self) -> RunProcsResult | None:
+        if self._result is not None:
+            return self._result
+        if self._group is None:
+            raise RuntimeError("wait()/poll before start()")
+        _, ranks = self._group.snapshot()
+        if not self._decided(ranks):
+            return None
+        running = {r for r, info in enumerate(ranks) if info[0] == _core.PROC_RUNNING}
+        if running:
+            # Fail-fast: the first failure terminates the siblings, whose
+            # exits are recorded too but are never the root cause.
+            self._terminated_by_launcher |= running
+        self.close()
+        _, ranks = self._group.snapshot()
+        self._result = self._build_result(ranks)
+        return self._result
+
+    def _build_result(self, ranks: list[tuple[Any, ...]]) -> RunProcsResult:
+        failures: dict[int, ProcessFailure] = {}
+        resources: dict[int, ResourceUsage] = {}
+        exited_ok: list[int] = []
+        for rank, info in enumerate(ranks):
+            state, pid, status, start_ns, exit_ns, exit_real_ns, utime, stime, maxrss, out_err, err_err = info
+            if state != _core.PROC_EXITED:
+                continue
+            code = _exitcode(status)
+            resources[rank] = ResourceUsage(
+                pid=pid,
+                exitcode=code,
+                wall_time=(exit_ns - start_ns) / 1e9,
+                user_time=utime / 1e9,
+                system_time=stime / 1e9,
+                max_rss=maxrss * 1024,
+            )
+            for what, e in (("stdout", out_err), ("stderr", err_err)):
+                if e:
+                    logger.error(
+                        "writing the %s log of local rank %s failed (%s); output after that point "
+                        "is missing from the file", what, rank, os.strerror(e))
+            if code != 0:
+                failures[rank] = ProcessFailure(
+                    local_rank=rank,
+                    pid=pid,
+                    exitcode=code,
+                    error_file=self.error_files.get(rank, ""),
+                    timestamp_ns=exit_real_ns,
+                    terminated_by_launcher=rank in self._terminated_by_launcher,
+                )
+            else:
+                exited_ok.append(rank)
+        result = RunProcsResult(
+            failures=failures, stdouts=self.stdouts, stderrs=self.stderrs, resources=resources
+        )
+        if failures:
+            first = min(
+                failures.values(),
+                key=lambda f: (f.terminated_by_launcher, f.precise_timestamp_ns),
+            )
+            logger.error(
+                "failed (exitcode: %s) local_rank: %s (pid: %s) of %s",
+                first.exitcode, first.local_rank, first.pid, self.entrypoint,
+            )
+        else:
+            result.return_values = self._return_values(exited_ok)
+        return result
+
+    def wait(self, timeout: float = -1, period: float = 1) -> RunProcsResult | None:
+        """Like torch's ``wait`` but event-driven: it returns as soon as the
+        deciding exit is recorded (``period`` is accepted and ignored)."""
+        if timeout == 0 or self._group is None:
+            return self._poll()
+        deadline = None if timeout < 0 else time.monotonic() + timeout
+        while True:
+            result = self._poll()
+            if result is not None:
+                return result
+            if deadline is None:
+                self._group.wait(-1)
+                continue
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            self._group.wait(remaining)
+
+    # -- terminate ----------------------------------------------------------
+    def _running(self) -> list[int]:
+        _, ranks = self._group.snapshot()
+        return [r for r, info in enumerate(ranks) if info[0] == _core.PROC_RUNNING]
+
+    def _wait_exits(self, deadline: float) -> list[int]:
+        """Wait until every rank exited or the deadline; returns the living."""
+        while True:
+            running = self._running()
+            remaining = deadline - time.monotonic()
+            if not running or remaining <= 0:
+                return running
+            self._group.wait(remaining)
+
+    def _close(self, death_sig: signal.Signals, timeout: float = 30) -> None:
+        if self._group is None or self._closed:
+            return
+        group = self._group
+        running = self._running()
+        if running:
+            for rank in running:
+                logger.warning("Sending process %s closing signal %s", self.pids().get(rank), death_sig.name)
+            group.killpg(int(death_sig))
+            running = self._wait_exits(time.monotonic() + max(0.0, float(timeout)))
+        if running:
+            for rank in running:
+                logger.warning(
+                    "Unable to shutdown process %s via %s, forcefully exiting via SIGKILL",
+                    self.pids().get(rank), death_sig.name)
+            group.killpg(int(signal.SIGKILL))
+            running = self._wait_exits(time.monotonic() + KILL_GRACE_SECONDS)
+            for rank in running:
+                logger.error(
+                    "Process %s (local rank %s) did not exit %.1fs after SIGKILL; abandoning it. "
+                    "It may be in uninterruptible sleep (wedged on a device); the I/O thread "
+                    "reaps it if it ever exits.", self.pids().get(rank), rank, KILL_GRACE_SECONDS)
+            self._abandoned = set(running)
+        # Grandchildren live on in the workers' process groups after their
+        # leaders exit: take them down too.
+        group.killpg(int(signal.SIGKILL), True)
+        group.finish_streams()
+        self._closed = True
+
+
+class SubprocessContext(_NativeContext):
+    """``PContext`` holding worker processes invoked as a binary."""
+
+    def __init__(
+        self,
+        name: str,
+        entrypoint: str,
+        args: dict[int, tuple[Any, ...]],
+        envs: dict[int, dict[str, str]],
+        logs_specs: LogsSpecs,
+        log_line_prefixes: dict[int, str] | None = None,
+        numa_options: Any = None,
+        duplicate_stdout_filters: list[str] | None = None,
+        duplicate_stderr_filters: list[str] | None = None,
+    ) -> None:
+        name = _check_name(name)
+        if not isinstance(entrypoint, str):
+            raise TypeError(f"SubprocessContext needs a str entrypoint, got {type(entrypoint).__name__}")
+        if numa_options is not None:
+            raise NotImplementedError("numa_options is not supported by torchmp; pass None")
+        args = _normalize_args(args)
+        envs = _normalize_envs(envs, len(args))
+        log_line_prefixes = _check_prefixes(log_line_prefixes, len(args))
+        duplicate_stdout_filters = _check_filters(duplicate_stdout_filters, "duplicate_stdout_filters")
+        duplicate_stderr_filters = _check_filters(duplicate_stderr_filters, "duplicate_stderr_filters")
+        # Resolve now, so a missing binary fails before any directory exists.
+        self._paths = {rank: resolve_executable(entrypoint, envs[rank]) for rank in range(len(args))}
+        for rank, argv in args.items():
+            for a in argv:
+                if "\0" in (a if isinstance(a, str) else str(a)):
+                    raise ValueError(f"args[{rank}]: argument {a!r} contains a NUL byte")
+        super().__init__(
+            name, entrypoint, args, envs, logs_specs, log_line_prefixes,
+            duplicate_stdout_filters, duplicate_stderr_filters,
+        )
+
+    def _launch_plans(self) -> list[_LaunchPlan]:
+        base = dict(os.environb)
+        plans = []
+        for rank in range(self.nprocs):
+            env = dict(base)
+            for key, value in self.envs[rank].items():
+                kb, vb = _encode_env_item(rank, key, value)
+                env[kb] = vb
+            argv = [os.fsencode(self.entrypoint)]  # type: ignore[arg-type]
+            argv += [a if isinstance(a, bytes) else os.fsencode(str(a)) for a in self.args[rank]]
+            plans.append(_LaunchPlan(self._paths[rank], argv, [k + b"=" + v for k, v in env.items()]))
+        return plans
+
+
+def _function_context_class() -> type[PContext]:
+    from torchmp._functions import MultiprocessContext as cls
+
+    return cls
+
+
+def __getattr__(name: str) -> Any:
+    # MultiprocessContext lives with the function-launch machinery; expose it
+    # here under torch's name without importing that module eagerly.
+    if name == "MultiprocessContext":
+        return _function_context_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# ---------------------------------------------------------------------------
+# start_processes
+
+
+_VALID_START_METHODS = ("spawn", "fork", "forkserver")
+
+
+def start_processes(
+    name: str,
+    entrypoint: Callable[..., Any] | str,
+    args: dict[int, tuple[Any, ...]],
+    envs: dict[int, dict[str, str]] | None = None,
+    logs_specs: LogsSpecs | str | os.PathLike[str] | None = None,
+    *positional: Any,
+    **kwargs: Any,
+) -> PContext:
+    """Start ``n = len(args)`` copies of ``entrypoint`` and return the context.
+
+    Two signatures are accepted, told apart by the fifth argument:
+
+    * torch 2.x: ``start_processes(name, entrypoint, args, envs, logs_specs,
+      log_line_prefixes=None, start_method="spawn", numa_options=None,
+      duplicate_stdout_filters=None, duplicate_stderr_filters=None)`` where
+      ``logs_specs`` is any object with ``reify(envs)`` (torch's own
+      ``DefaultLogsSpecs`` included);
+    * torch 1.9: ``start_processes(name, entrypoint, args, envs, log_dir,
+      start_method="spawn", redirects=Std.NONE, tee=Std.NONE)`` with files in
+      ``{log_dir}/{local_rank}/``.
+
+    ``entrypoint`` is a callable (function launch) or a ``str`` naming a
+    binary (looked up on ``PATH``, never run through a shell; args are cast
+    with ``str()``).  Every input is checked before anything starts.
+    """
+    legacy = "log_dir" in kwargs or isinstance(logs_specs, (str, bytes, os.PathLike))
+    if legacy:
+        names = ("start_method", "redirects", "tee")
+        defaults: dict[str, Any] = {"start_method": "spawn", "redirects": Std.NONE, "tee": Std.NONE}
+    else:
+        names = (
+            "log_line_prefixes", "start_method", "numa_options",
+            "duplicate_stdout_filters", "duplicate_stderr_filters",
+        )
+        defaults = {
+            "log_line_prefixes": None, "start_method": "spawn", "numa_options": None,
+            "duplicate_stdout_filters": None, "duplicate_stderr_filters": None,
+        }
+    if len(positional) > len(names):
+        raise TypeError(f"start_processes() takes at most {5 + len(names)} positional arguments")
+    options = dict(defaults)
+    for key, value in zip(names, positional):
+        options[key] = value
+    if "log_dir" in kwargs:
+        if logs_specs is not None:
+            raise TypeError("start_processes() got both a fifth positional argument and log_dir=")
+        logs_specs = kwargs.pop("log_dir")
+    for key, value in kwargs.items():
+        if key not in options:
+            raise TypeError(f"start_processes() got an unexpected keyword argument {key!r}")
+        if key in dict(zip(names, positional)):
+            raise TypeError(f"start_processes() got multiple values for argument {key!r}")
+        options[key] = value
+
+    name = _check_name(name)
+    args = _normalize_args(args)
+    nprocs = len(args)
+    envs = _normalize_envs(envs, nprocs)
+    start_method = options["start_method"]
+    if not callable(entrypoint) and not isinstance(entrypoint, str):
+        raise TypeError(f"entrypoint must be a callable or a str, got {type(entrypoint).__name__}")
+    if callable(entrypoint) and start_method not in _VALID_START_METHODS:
+        raise ValueError(f"start_method must be one of {_VALID_START_METHODS}, got {start_method!r}")
+
+    if legacy:
+        if logs_specs is None:
+            raise TypeError("start_processes() needs log_dir")
+        spec_obj: Any = LegacyLogsSpecs(
+            os.fspath(logs_specs),  # type: ignore[arg-type]
+            redirects=options["redirects"], tee=options["tee"])
+        spec_obj.validate()
+        extra: dict[str, Any] = {}
+    else:
+        if logs_specs is None:
+            raise TypeError(
+                "start_processes() needs logs_specs (torch 2.x form) or log_dir (torch 1.9 form)")
+        if not callable(getattr(logs_specs, "reify", None)):
+            raise TypeError(f"logs_specs must have a reify(envs) method, got {type(logs_specs).__name__}")
+        spec_obj = logs_specs
+        extra = {
+            "log_line_prefixes": options["log_line_prefixes"],
+            "numa_options": options["numa_options"],
+            "duplicate_stdout_filters": options["duplicate_stdout_filters"],
+            "duplicate_stderr_filters": options["duplicate_stderr_filters"],
+        }
+
+    context: PContext
+    if isinstance(entrypoint, str):
+        context = SubprocessContext(name, entrypoint, args, envs, spec_obj, **extra)
+    else:
+        context = _function_context_class()(  # type: ignore[call-arg]
+            name, entrypoint, args, envs, spec_obj, start_method=start_method, **extra)
+    try:
+        context.start()
+    except BaseException:
+        context.close()
+        raise
+    return context

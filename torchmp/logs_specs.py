@@ -1,0 +1,694 @@
+"""Where each worker's stdout, stderr and error file go.
+
+This module is pure Python and has no side effects at import. It holds the
+stream-selection flag :class:`Std`, the value object :class:`LogsDest`, the
+abstract :class:`LogsSpecs` and two concrete layouts:
+
+========================  ==========================================================
+class                     layout produced by ``reify(envs)``
+========================  ==========================================================
+:class:`DefaultLogsSpecs` ``{log_dir}/{run_id}_<random>/attempt_{restart}/{rank}/``
+                          (the torch 2.x layout, used by ``torchrun``)
+:class:`LegacyLogsSpecs`  ``{log_dir}/{rank}/`` (the torch 1.9 ``start_processes``
+                          form that takes ``log_dir, redirects, tee``)
+========================  ==========================================================
+
+Each rank directory may hold ``stdout.log``, ``stderr.log`` and ``error.json``;
+``reify`` stores the error file's path in ``envs[rank]["TORCHELASTIC_ERROR_FILE"]``.
+
+Example:
+
+>>> import os, shutil, tempfile
+>>> root = tempfile.mkdtemp()
+>>> specs = DefaultLogsSpecs(log_dir=root, redirects=Std.ERR, tee={1: Std.OUT})
+>>> envs = {0: {"TORCHELASTIC_RUN_ID": "job"}, 1: {}}
+>>> dest = specs.reify(envs)
+>>> os.path.relpath(dest.stderrs[0], root).split(os.sep)[1:]
+['attempt_0', '0', 'stderr.log']
+>>> dest.stdouts[0], dest.tee_stdouts == {1: dest.stdouts[1]}
+('', True)
+>>> envs[1]["TORCHELASTIC_ERROR_FILE"] == dest.error_files[1]
+True
+>>> shutil.rmtree(root)
+
+Error types: malformed ``Std`` strings, out-of-range values and bad rank keys raise
+``ValueError``; values of the wrong type raise ``TypeError``; a rank mapping of the
+wrong shape (missing or extra local ranks) raises :class:`RankMappingError`, which is
+both a ``ValueError`` and a ``RuntimeError`` (torch raises ``RuntimeError``); a
+``log_dir`` that is not a directory raises ``NotADirectoryError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import tempfile
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping, MutableMapping
+from dataclasses import dataclass, field
+from enum import IntFlag
+from typing import Any, Union
+
+__all__ = [
+    "DefaultLogsSpecs",
+    "LegacyLogsSpecs",
+    "LogsDest",
+    "LogsSpecs",
+    "RankMappingError",
+    "Std",
+    "to_map",
+    "validate_full_rank",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Name of the environment variable through which a worker learns its error file.
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+
+# The stream goes to the launcher's console (stdouts/stderrs value in LogsDest).
+_CONSOLE = ""
+
+_STD_SYNTAX = (
+    "a single value 0-3 (e.g. '3') or comma-separated <local_rank>:<value> pairs "
+    "with value 0-3 (e.g. '0:3,1:0'); 0=NONE, 1=OUT, 2=ERR, 3=ALL"
+)
+# ASCII digits only: str.isdigit()/\d would also take e.g. Arabic-Indic digits.
+_VALUE_RE = re.compile(r"[0-3]")
+_MAPPING_RE = re.compile(r"[0-9]+:[0-3](?:,[0-9]+:[0-3])*")
+
+
+class RankMappingError(ValueError, RuntimeError):
+    """A per-rank mapping (``args``, ``envs``, ...) is not keyed by exactly ``0..n-1``.
+
+    It derives from both ``ValueError`` and ``RuntimeError`` so that code written
+    against either of torch's error types keeps catching it.
+
+    >>> issubclass(RankMappingError, ValueError), issubclass(RankMappingError, RuntimeError)
+    (True, True)
+    """
+
+
+class Std(IntFlag):
+    """Which standard streams of a worker a setting applies to.
+
+    >>> Std.OUT | Std.ERR
+    <Std.ALL: 3>
+    >>> bool(Std.ALL & Std.ERR), bool(Std.OUT & Std.ERR)
+    (True, False)
+    """
+
+    NONE = 0
+    OUT = 1
+    ERR = 2
+    ALL = OUT | ERR
+
+    @classmethod
+    def from_str(cls, vm: str) -> Std | dict[int, Std]:
+        """Parse a command-line style setting.
+
+        A single digit applies to every local rank; ``rank:value`` pairs apply per
+        rank (ranks may have several digits). Surrounding whitespace is ignored.
+
+        >>> Std.from_str("1")
+        <Std.OUT: 1>
+        >>> Std.from_str("0:3,1:0,10:2")
+        {0: <Std.ALL: 3>, 1: <Std.NONE: 0>, 10: <Std.ERR: 2>}
+        >>> Std.from_str("4")
+        Traceback (most recent call last):
+          ...
+        ValueError: invalid Std setting '4': expected a single value 0-3 (e.g. '3') or comma-separated <local_rank>:<value> pairs with value 0-3 (e.g. '0:3,1:0'); 0=NONE, 1=OUT, 2=ERR, 3=ALL
+        >>> Std.from_str("0:1,0:2")
+        Traceback (most recent call last):
+          ...
+        ValueError: invalid Std setting '0:1,0:2': local rank 0 is given more than once
+        """
+        if not isinstance(vm, str):
+            raise TypeError(
+                f"Std.from_str expects a str, got {type(vm).__name__} {vm!r}"
+            )
+        text = vm.strip()
+        if _VALUE_RE.fullmatch(text):
+            return cls(int(text))
+        if not _MAPPING_RE.fullmatch(text):
+            raise ValueError(f"invalid Std setting {vm!r}: expected {_STD_SYNTAX}")
+        mapping: dict[int, Std] = {}
+        for item in text.split(","):
+            rank_s, value_s = item.split(":")
+            rank = int(rank_s)
+            if rank in mapping:
+                raise ValueError(
+                    f"invalid Std setting {vm!r}: local rank {rank} is given more "
+                    "than once"
+                )
+            mapping[rank] = cls(int(value_s))
+        return mapping
+
+
+#: What ``redirects``/``tee`` accept: one value for all ranks, or a per-rank mapping.
+StdSetting = Union[Std, int, Mapping[int, Union[Std, int]]]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _as_std(value: object, what: str) -> Std:
+    """Convert a ``Std`` or an int 0..3 (including torch's ``Std``) to ``Std``."""
+    if not _is_int(value):
+        raise TypeError(
+            f"{what} must be a Std or an int 0..3, got {type(value).__name__} "
+            f"{value!r}"
+        )
+    if not 0 <= value <= 3:  # type: ignore[operator]
+        raise ValueError(f"{what} must be a Std or an int 0..3, got {value!r}")
+    return Std(int(value))  # type: ignore[call-overload]
+
+
+def _as_rank(key: object, what: str) -> int:
+    if not _is_int(key):
+        raise TypeError(
+            f"{what}: local rank keys must be ints, got {type(key).__name__} {key!r}"
+        )
+    if key < 0:  # type: ignore[operator]
+        raise ValueError(f"{what}: local rank keys must be >= 0, got {key!r}")
+    return int(key)  # type: ignore[call-overload]
+
+
+def _as_std_setting(value: object, what: str) -> Std | dict[int, Std]:
+    """Validate a ``redirects``/``tee`` argument; return it as ``Std`` or a new dict."""
+    if isinstance(value, Mapping):
+        return {
+            _as_rank(k, what): _as_std(v, f"{what}[{k!r}]") for k, v in value.items()
+        }
+    if isinstance(value, str):
+        raise TypeError(
+            f"{what} must be a Std, an int 0..3 or a dict of local rank to Std, got "
+            f"str {value!r} (parse strings with Std.from_str)"
+        )
+    if not _is_int(value):
+        raise TypeError(
+            f"{what} must be a Std, an int 0..3 or a dict of local rank to Std, got "
+            f"{type(value).__name__} {value!r}"
+        )
+    return _as_std(value, what)
+
+
+def to_map(
+    val_or_map: Std | int | Mapping[int, Std | int], local_world_size: int
+) -> dict[int, Std]:
+    """Expand a ``Std`` setting into an explicit ``{local_rank: Std}`` dict.
+
+    A single value (``Std`` or int 0..3) applies to every rank. In a mapping,
+    ranks that are absent get ``Std.NONE`` and ranks ``>= local_world_size`` are
+    ignored (as in torch).
+
+    >>> to_map(Std.OUT, 2)
+    {0: <Std.OUT: 1>, 1: <Std.OUT: 1>}
+    >>> to_map({1: 2, 5: Std.ALL}, 3)
+    {0: <Std.NONE: 0>, 1: <Std.ERR: 2>, 2: <Std.NONE: 0>}
+    """
+    if not _is_int(local_world_size):
+        raise TypeError(
+            "local_world_size must be an int, got "
+            f"{type(local_world_size).__name__} {local_world_size!r}"
+        )
+    if local_world_size < 0:
+        raise ValueError(f"local_world_size must be >= 0, got {local_world_size}")
+    setting = _as_std_setting(val_or_map, "val_or_map")
+    if isinstance(setting, dict):
+        return {rank: setting.get(rank, Std.NONE) for rank in range(local_world_size)}
+    return dict.fromkeys(range(local_world_size), setting)
+
+
+def _sort_keys(keys: Iterable[Any]) -> list[Any]:
+    # Ints (not bools) first in numeric order, then everything else by repr.
+    return sorted(
+        keys,
+        key=lambda k: (0, k, "") if _is_int(k) else (1, 0, f"{type(k).__name__}{k!r}"),
+    )
+
+
+def validate_full_rank(d: Mapping[int, Any], nprocs: int, what: str) -> None:
+    """Check that ``d`` is a mapping keyed by exactly the local ranks ``0..nprocs-1``.
+
+    Raises :class:`RankMappingError` (a ``ValueError`` and a ``RuntimeError``)
+    naming the missing ranks and the unexpected keys.
+
+    >>> validate_full_rank({0: "a", 1: "b"}, 2, "args")
+    >>> validate_full_rank({0: {}, "a": {}}, 2, "envs")
+    Traceback (most recent call last):
+      ...
+    torchmp.logs_specs.RankMappingError: envs: missing local ranks [1]; unexpected keys ['a'] (expected keys 0..1 for nprocs=2)
+    """
+    if not _is_int(nprocs):
+        raise TypeError(f"nprocs must be an int, got {type(nprocs).__name__} {nprocs!r}")
+    if nprocs < 0:
+        raise ValueError(f"nprocs must be >= 0, got {nprocs}")
+    expected = "no keys for nprocs=0" if nprocs == 0 else (
+        f"keys 0..{nprocs - 1} for nprocs={nprocs}"
+    )
+    if not isinstance(d, Mapping):
+        raise RankMappingError(
+            f"{what}: expected a dict keyed by local rank ({expected}), got "
+            f"{type(d).__name__}"
+        )
+    present = {k for k in d if _is_int(k) and 0 <= k < nprocs}
+    missing = [r for r in range(nprocs) if r not in present]
+    unexpected = _sort_keys(k for k in d if not (_is_int(k) and 0 <= k < nprocs))
+    if not missing and not unexpected:
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing local ranks {missing}")
+    if unexpected:
+        parts.append(f"unexpected keys {unexpected}")
+    raise RankMappingError(f"{what}: {'; '.join(parts)} (expected {expected})")
+
+
+def _check_envs(envs: Mapping[int, Any]) -> int:
+    """Validate a reify() ``envs`` argument; return the number of local ranks."""
+    if not isinstance(envs, Mapping):
+        raise RankMappingError(
+            f"envs: expected a dict keyed by local rank, got {type(envs).__name__}"
+        )
+    nprocs = len(envs)
+    validate_full_rank(envs, nprocs, "envs")
+    for rank in range(nprocs):
+        if not isinstance(envs[rank], MutableMapping):
+            raise RankMappingError(
+                f"envs[{rank}]: expected a dict of environment variables, got "
+                f"{type(envs[rank]).__name__}"
+            )
+    return nprocs
+
+
+def _as_log_dir(log_dir: object, what: str = "log_dir") -> str:
+    try:
+        path = os.fspath(log_dir)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(
+            f"{what} must be a str or os.PathLike path, got "
+            f"{type(log_dir).__name__} {log_dir!r}"
+        ) from None
+    if not isinstance(path, str):
+        raise TypeError(f"{what} must be a str path, got {type(path).__name__} {path!r}")
+    return path
+
+
+def _as_ranks_filter(value: object) -> set[int] | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(
+            "local_ranks_filter must be a set (or other iterable) of ints, got "
+            f"{type(value).__name__} {value!r}"
+        )
+    return {_as_rank(r, "local_ranks_filter") for r in value}
+
+
+@dataclass
+class LogsDest:
+    """For each kind of log, the destination path per local rank.
+
+    In ``stdouts``/``stderrs`` an empty string means "the launcher's console".
+    ``tee_stdouts``/``tee_stderrs`` hold the ranks whose file is also copied to
+    the console. ``filtered_stdout``/``filtered_stderr`` receive the teed lines that
+    match ``duplicate_stdout_filters``/``duplicate_stderr_filters``.
+
+    >>> LogsDest(stdouts={0: "/tmp/0/stdout.log"}).stderrs
+    {}
+    """
+
+    stdouts: dict[int, str] = field(default_factory=dict)
+    stderrs: dict[int, str] = field(default_factory=dict)
+    tee_stdouts: dict[int, str] = field(default_factory=dict)
+    tee_stderrs: dict[int, str] = field(default_factory=dict)
+    error_files: dict[int, str] = field(default_factory=dict)
+    filtered_stdout: str = field(default_factory=str)
+    filtered_stderr: str = field(default_factory=str)
+
+
+class LogsSpecs(ABC):
+    """How the streams of each worker are redirected, teed and filtered.
+
+    Args:
+        log_dir: base directory for the logs.
+        redirects: streams written to files; one ``Std`` for all ranks or a
+            ``{local_rank: Std}`` mapping.
+        tee: streams written to files *and* copied to the console (same forms).
+        local_ranks_filter: if non-empty, only these ranks' output reaches the
+            console.
+
+    The base class stores its arguments as given, like torch's, so that
+    third-party subclasses behave the same with either library. Subclasses
+    implement :meth:`reify` and :attr:`root_log_dir`.
+    """
+
+    def __init__(
+        self,
+        log_dir: str | None = None,
+        redirects: Std | dict[int, Std] = Std.NONE,
+        tee: Std | dict[int, Std] = Std.NONE,
+        local_ranks_filter: set[int] | None = None,
+    ) -> None:
+        self._root_log_dir = log_dir
+        self._redirects = redirects
+        self._tee = tee
+        self._local_ranks_filter = local_ranks_filter
+
+    @abstractmethod
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        """Build the log destinations for ranks ``0..len(envs)-1``.
+
+        May create directories and may update ``envs`` in place (e.g. to set
+        ``TORCHELASTIC_ERROR_FILE``).
+        """
+
+    @property
+    @abstractmethod
+    def root_log_dir(self) -> str:
+        """The base log directory."""
+
+
+def _merge_tee(redirects: dict[int, Std], tee: dict[int, Std]) -> dict[int, Std]:
+    # A teed stream is first written to its file, so tee implies redirect.
+    return {rank: redirects[rank] | tee[rank] for rank in redirects}
+
+
+class DefaultLogsSpecs(LogsSpecs):
+    """The torch 2.x layout, one directory per run, attempt and rank.
+
+    ``reify(envs)`` writes under
+    ``{log_dir}/{TORCHELASTIC_RUN_ID}_<random>/attempt_{TORCHELASTIC_RESTART_COUNT}/``
+    (both variables read from ``envs[0]``, defaulting to ``test_run_id`` and
+    ``0``); the run directory is chosen on the first call and reused by later
+    attempts; an attempt directory is wiped and re-created. Each rank gets
+    ``{rank}/error.json`` and, for redirected streams, ``{rank}/stdout.log`` /
+    ``{rank}/stderr.log``. Teeing a stream implies redirecting it.
+
+    ``log_dir``: created here if missing (``NotADirectoryError`` if it exists and
+    is not a directory); ``None`` or ``""`` means a fresh temporary directory;
+    ``os.devnull`` means "write no log files": every stream stays on the console
+    and ``TORCHELASTIC_ERROR_FILE`` is set to ``""`` (as in torch).
+
+    ``local_ranks_filter``: ranks outside a non-empty filter are not teed, and
+    their streams that are not redirected go to ``os.devnull``. An empty filter
+    means no filtering (as in torch).
+
+    >>> import tempfile, shutil
+    >>> root = tempfile.mkdtemp()
+    >>> specs = DefaultLogsSpecs(root, redirects=Std.ALL, local_ranks_filter={0})
+    >>> dest = specs.reify({0: {}, 1: {}})
+    >>> dest.stdouts[1].split(os.sep)[-3:]
+    ['attempt_0', '1', 'stdout.log']
+    >>> dest.tee_stdouts
+    {}
+    >>> shutil.rmtree(root)
+    """
+
+    def __init__(
+        self,
+        log_dir: str | os.PathLike[str] | None = None,
+        redirects: StdSetting = Std.NONE,
+        tee: StdSetting = Std.NONE,
+        local_ranks_filter: Iterable[int] | None = None,
+    ) -> None:
+        # Validate everything before touching the file system.
+        redirects_ = _as_std_setting(redirects, "redirects")
+        tee_ = _as_std_setting(tee, "tee")
+        filter_ = _as_ranks_filter(local_ranks_filter)
+        path = None if log_dir is None else _as_log_dir(log_dir)
+        if path != os.devnull:
+            if not path:
+                path = tempfile.mkdtemp(prefix="torchelastic_")
+            elif not os.path.exists(path):
+                os.makedirs(path, exist_ok=True)
+            elif os.path.isfile(path):
+                raise NotADirectoryError(f"log_dir: {path} is a file")
+            elif not os.path.isdir(path):
+                raise NotADirectoryError(f"log_dir: {path} is not a directory")
+        super().__init__(path, redirects_, tee_, filter_)
+        self._run_log_dir: str | None = None
+
+    @property
+    def root_log_dir(self) -> str:
+        return str(self._root_log_dir)
+
+    def _make_run_log_dir(self, run_id: str) -> str:
+        base = self._root_log_dir or tempfile.mkdtemp(prefix="torchelastic_")
+        os.makedirs(base, exist_ok=True)
+        run_dir = tempfile.mkdtemp(prefix=f"{run_id}_", dir=base)
+        logger.info("log directory set to: %s", run_dir)
+        return run_dir
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        """Create the attempt's directories and return where each stream goes.
+
+        Layout (``<run>`` is ``{run_id}_<random>``)::
+
+            <log_dir>/<run>/attempt_<n>/<rank>/stdout.log   (if redirected or teed)
+            <log_dir>/<run>/attempt_<n>/<rank>/stderr.log   (if redirected or teed)
+            <log_dir>/<run>/attempt_<n>/<rank>/error.json
+            <log_dir>/<run>/attempt_<n>/filtered_stdout.log (path only)
+            <log_dir>/<run>/attempt_<n>/filtered_stderr.log (path only)
+
+        Sets ``envs[rank]["TORCHELASTIC_ERROR_FILE"]`` for every rank. ``envs`` must
+        be keyed by exactly ``0..len(envs)-1`` (:class:`RankMappingError` otherwise,
+        raised before anything is created).
+        """
+        nprocs = _check_envs(envs)
+        if nprocs == 0:
+            logger.warning("Empty envs map provided when defining logging destinations.")
+        first_env: Mapping[str, str] = envs[0] if nprocs else {}
+        run_id = first_env.get("TORCHELASTIC_RUN_ID", "test_run_id")
+        restart_count = first_env.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+        redirects = to_map(self._redirects, nprocs)
+        tee = to_map(self._tee, nprocs)
+        redirects = _merge_tee(redirects, tee)
+        rank_filter = self._local_ranks_filter
+
+        stdouts = dict.fromkeys(range(nprocs), _CONSOLE)
+        stderrs = dict.fromkeys(range(nprocs), _CONSOLE)
+        tee_stdouts: dict[int, str] = {}
+        tee_stderrs: dict[int, str] = {}
+        error_files: dict[int, str] = {}
+
+        if self._root_log_dir == os.devnull:
+            # No files at all. torch keeps every stream on the console and points
+            # the tee tails at os.devnull; we do the same, but still honour the
+            # ranks filter and use os.devnull for the filtered-lines files (torch
+            # gives "/dev/null/filtered_stdout.log", which cannot be opened).
+            for rank in range(nprocs):
+                if rank_filter and rank not in rank_filter:
+                    stdouts[rank] = os.devnull
+                    stderrs[rank] = os.devnull
+                else:
+                    tee_stdouts[rank] = os.devnull
+                    tee_stderrs[rank] = os.devnull
+                error_files[rank] = os.devnull
+                envs[rank][ERROR_FILE_ENV] = ""
+            return LogsDest(
+                stdouts, stderrs, tee_stdouts, tee_stderrs, error_files,
+                os.devnull, os.devnull,
+            )
+
+        if not self._run_log_dir:
+            self._run_log_dir = self._make_run_log_dir(run_id)
+        attempt_dir = os.path.join(self._run_log_dir, f"attempt_{restart_count}")
+        shutil.rmtree(attempt_dir, ignore_errors=True)
+        os.makedirs(attempt_dir)
+
+        for rank in range(nprocs):
+            rank_dir = os.path.join(attempt_dir, str(rank))
+            os.mkdir(rank_dir)
+            if redirects[rank] & Std.OUT:
+                stdouts[rank] = os.path.join(rank_dir, "stdout.log")
+            if redirects[rank] & Std.ERR:
+                stderrs[rank] = os.path.join(rank_dir, "stderr.log")
+            if rank_filter and rank not in rank_filter:
+                # Keep the files, but nothing of this rank reaches the console.
+                if stdouts[rank] == _CONSOLE:
+                    stdouts[rank] = os.devnull
+                if stderrs[rank] == _CONSOLE:
+                    stderrs[rank] = os.devnull
+            else:
+                if tee[rank] & Std.OUT:
+                    tee_stdouts[rank] = stdouts[rank]
+                if tee[rank] & Std.ERR:
+                    tee_stderrs[rank] = stderrs[rank]
+            error_file = os.path.join(rank_dir, "error.json")
+            error_files[rank] = error_file
+            logger.info("Setting worker%s reply file to: %s", rank, error_file)
+            envs[rank][ERROR_FILE_ENV] = error_file
+
+        return LogsDest(
+            stdouts,
+            stderrs,
+            tee_stdouts,
+            tee_stderrs,
+            error_files,
+            os.path.join(attempt_dir, "filtered_stdout.log"),
+            os.path.join(attempt_dir, "filtered_stderr.log"),
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"DefaultLogsSpecs(root_log_dir={self._root_log_dir}, "
+            f"redirects={self._redirects}, tee={self._tee}, "
+            f"local_ranks_filter={self._local_ranks_filter})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DefaultLogsSpecs):
+            return NotImplemented
+        return (
+            self._root_log_dir == other._root_log_dir
+            and self._redirects == other._redirects
+            and self._tee == other._tee
+            and self._local_ranks_filter == other._local_ranks_filter
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class LegacyLogsSpecs(LogsSpecs):
+    """The torch 1.9 layout: ``{log_dir}/{local_rank}/{stdout.log,stderr.log,error.json}``.
+
+    Used by the 1.9 form ``start_processes(name, entrypoint, args, envs, log_dir,
+    start_method, redirects, tee)``. ``log_dir`` must be missing (it is created)
+    or an empty directory. The constructor only checks its arguments' types and
+    touches nothing; :meth:`validate` checks the directory without changing
+    anything, so a launcher can fail before starting any process; :meth:`reify`
+    validates again, then creates the directories. A ``LegacyLogsSpecs`` is
+    therefore good for one launch: afterwards its directory is no longer empty.
+
+    >>> import tempfile, shutil
+    >>> root = tempfile.mkdtemp()
+    >>> specs = LegacyLogsSpecs(os.path.join(root, "logs"), tee=Std.OUT)
+    >>> specs.validate()  # nothing is created
+    >>> os.listdir(root)
+    []
+    >>> dest = specs.reify({0: {}})
+    >>> os.path.relpath(dest.tee_stdouts[0], root).split(os.sep)
+    ['logs', '0', 'stdout.log']
+    >>> specs.validate()  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+      ...
+    RuntimeError: log_dir ... is not empty (it contains '0'); the 1.9 form of start_processes needs a missing or empty directory
+    >>> shutil.rmtree(root)
+    """
+
+    def __init__(
+        self,
+        log_dir: str | os.PathLike[str],
+        redirects: StdSetting = Std.NONE,
+        tee: StdSetting = Std.NONE,
+    ) -> None:
+        if log_dir is None:
+            raise TypeError("log_dir is required (a str path), got None")
+        path = _as_log_dir(log_dir)
+        if not path:
+            raise ValueError("log_dir must be a non-empty path, got ''")
+        super().__init__(
+            path,
+            _as_std_setting(redirects, "redirects"),
+            _as_std_setting(tee, "tee"),
+            None,
+        )
+
+    @property
+    def root_log_dir(self) -> str:
+        return str(self._root_log_dir)
+
+    def validate(self) -> None:
+        """Check that ``log_dir`` is missing or an empty directory. No side effects.
+
+        Raises ``NotADirectoryError`` if ``log_dir`` (or the nearest existing
+        ancestor of a missing ``log_dir``) is not a directory, and ``RuntimeError``
+        if ``log_dir`` is a directory that is not empty.
+        """
+        path = str(self._root_log_dir)
+        if os.path.isdir(path):
+            with os.scandir(path) as it:
+                names = sorted(entry.name for _, entry in zip(range(4), it))
+            if names:
+                shown = ", ".join(repr(n) for n in names[:3])
+                more = ", ..." if len(names) > 3 else ""
+                raise RuntimeError(
+                    f"log_dir {path!r} is not empty (it contains {shown}{more}); the "
+                    "1.9 form of start_processes needs a missing or empty directory"
+                )
+            return
+        if os.path.lexists(path):
+            kind = "a file" if os.path.isfile(path) else (
+                "a broken symbolic link" if os.path.islink(path) else "not a directory"
+            )
+            raise NotADirectoryError(f"log_dir {path!r} is {kind}")
+        # Missing: it will be created, so its nearest existing ancestor must be
+        # a directory (a path such as "some_file/logs" can never be created).
+        ancestor = os.path.dirname(os.path.abspath(path))
+        while not os.path.lexists(ancestor):
+            ancestor = os.path.dirname(ancestor)
+        if not os.path.isdir(ancestor):
+            raise NotADirectoryError(
+                f"log_dir {path!r} cannot be created: {ancestor!r} is not a directory"
+            )
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        """Validate, create ``log_dir/<rank>`` for every rank and return the paths.
+
+        Sets ``envs[rank]["TORCHELASTIC_ERROR_FILE"]`` to ``{log_dir}/{rank}/error.json``.
+        The filtered-lines files (not part of 1.9) are put at
+        ``{log_dir}/filtered_stdout.log`` / ``filtered_stderr.log``.
+        """
+        nprocs = _check_envs(envs)
+        self.validate()
+        log_dir = str(self._root_log_dir)
+        os.makedirs(log_dir, exist_ok=True)
+
+        redirects = to_map(self._redirects, nprocs)
+        tee = to_map(self._tee, nprocs)
+        redirects = _merge_tee(redirects, tee)
+
+        dest = LogsDest(
+            stdouts=dict.fromkeys(range(nprocs), _CONSOLE),
+            stderrs=dict.fromkeys(range(nprocs), _CONSOLE),
+            filtered_stdout=os.path.join(log_dir, "filtered_stdout.log"),
+            filtered_stderr=os.path.join(log_dir, "filtered_stderr.log"),
+        )
+        for rank in range(nprocs):
+            rank_dir = os.path.join(log_dir, str(rank))
+            os.mkdir(rank_dir)
+            if redirects[rank] & Std.OUT:
+                dest.stdouts[rank] = os.path.join(rank_dir, "stdout.log")
+            if redirects[rank] & Std.ERR:
+                dest.stderrs[rank] = os.path.join(rank_dir, "stderr.log")
+            if tee[rank] & Std.OUT:
+                dest.tee_stdouts[rank] = dest.stdouts[rank]
+            if tee[rank] & Std.ERR:
+                dest.tee_stderrs[rank] = dest.stderrs[rank]
+            error_file = os.path.join(rank_dir, "error.json")
+            dest.error_files[rank] = error_file
+            logger.info("Setting worker%s reply file to: %s", rank, error_file)
+            envs[rank][ERROR_FILE_ENV] = error_file
+        return dest
+
+    def __repr__(self) -> str:
+        return (
+            f"LegacyLogsSpecs(log_dir={self._root_log_dir!r}, "
+            f"redirects={self._redirects!r}, tee={self._tee!r})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, LegacyLogsSpecs):
+            return NotImplemented
+        return (
+            self._root_log_dir == other._root_log_dir
+            and self._redirects == other._redirects
+            and self._tee == other._tee
+        )
+
+    __hash__ = None  # type: ignore[assignment]
