@@ -130,6 +130,8 @@ def interleave(
             except (KeyboardInterrupt, SystemExit):
                 raise
             except BaseException as e:  # noqa: BLE001 - a failing impl must not stop the run
+                if type(e).__name__ == "SignalException":  # torch's handler: a real ^C/TERM
+                    raise
                 dead.add(impl)
                 if log:
                     log(f"    {impl}: trial failed: {fmt_exc(e)}")

@@ -199,6 +199,14 @@ cdef class Group:
             torchmp_group_release(self.g)
             self.g = NULL
 
+    def release(self):
+        """Hand the group back to the I/O thread, which frees it (and its
+        fds) once every rank is reaped and every stream closed.  Later calls
+        raise ValueError; release itself is idempotent."""
+        if self.g != NULL:
+            torchmp_group_release(self.g)
+            self.g = NULL
+
     cdef int _ours(self) except -1:
         if self.g == NULL:
             raise ValueError("worker group is closed")

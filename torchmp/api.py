@@ -430,6 +430,8 @@ class _NativeContext(PContext):
         self._closed = False
         self._terminated_by_launcher: set[int] = set()
         self._abandoned: set[int] = set()
+        # The last snapshot, kept once close() has released the native group.
+        self._final: tuple[int, list[tuple[Any, ...]]] | None = None
 
     # -- what to run (subclass) ------------------------------------------
     @abc.abstractmethod
@@ -493,10 +495,15 @@ class _NativeContext(PContext):
                 os.close(fd)
 
     # -- observe ----------------------------------------------------------
+    def _snapshot(self) -> tuple[int, list[tuple[Any, ...]]]:
+        if self._final is not None:
+            return self._final
+        return self._group.snapshot()  # type: ignore[no-any-return]
+
     def pids(self) -> dict[int, int]:
         if self._group is None:
             return {}
-        _, ranks = self._group.snapshot()
+        _, ranks = self._snapshot()
         return {rank: info[1] for rank, info in enumerate(ranks) if info[0] != _core.PROC_UNSTARTED}
 
     def _decided(self, ranks: list[tuple[Any, ...]]) -> bool:
@@ -508,8 +515,8 @@ class _NativeContext(PContext):
             return self._result
         if self._group is None:
             raise RuntimeError("wait()/poll before start()")
-        _, ranks = self._group.snapshot()
-        if not self._decided(ranks):
+        _, ranks = self._snapshot()
+        if not self._decided(ranks) and not self._closed:
             return None
         running = {r for r, info in enumerate(ranks) if info[0] == _core.PROC_RUNNING}
         if running:
@@ -517,7 +524,7 @@ class _NativeContext(PContext):
             # exits are recorded too but are never the root cause.
             self._terminated_by_launcher |= running
         self.close()
-        _, ranks = self._group.snapshot()
+        _, ranks = self._snapshot()
         self._result = self._build_result(ranks)
         return self._result
 
@@ -573,7 +580,7 @@ class _NativeContext(PContext):
     def wait(self, timeout: float = -1, period: float = 1) -> RunProcsResult | None:
         """Like torch's ``wait`` but event-driven: it returns as soon as the
         deciding exit is recorded (``period`` is accepted and ignored)."""
-        if timeout == 0 or self._group is None:
+        if timeout == 0 or self._group is None or self._closed:
             return self._poll()
         deadline = None if timeout < 0 else time.monotonic() + timeout
         while True:
@@ -590,7 +597,7 @@ class _NativeContext(PContext):
 
     # -- terminate ----------------------------------------------------------
     def _running(self) -> list[int]:
-        _, ranks = self._group.snapshot()
+        _, ranks = self._snapshot()
         return [r for r, info in enumerate(ranks) if info[0] == _core.PROC_RUNNING]
 
     def _wait_exits(self, deadline: float) -> list[int]:
@@ -629,6 +636,10 @@ class _NativeContext(PContext):
         # leaders exit: take them down too.
         group.killpg(int(signal.SIGKILL), True)
         group.finish_streams()
+        # Free the native side now (fds included) rather than whenever the
+        # garbage collector gets to this object.
+        self._final = group.snapshot()
+        group.release()
         self._closed = True
 
 

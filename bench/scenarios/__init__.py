@@ -16,6 +16,19 @@ MODULES = {
     "nofile": "many",
 }
 
+TITLES = {
+    "launch": "launch+reap of N x /bin/true, N = 1, 16, 128, 1024",
+    "funclaunch": "function launch per start method (spawn, fork, forkserver), N = 4, 16",
+    "lag": "exit-detection lag of wait(), 4 x sleep 0.2",
+    "failfast": "failure detection + teardown of 3 sleeping siblings",
+    "tee": "tee with prefixes, 4 ranks x 50 MB of 100-byte lines: MB/s, launcher CPU, line integrity",
+    "redirect": "redirect only, same data: MB/s, launcher CPU, exact logs",
+    "idle": "64 idle ranks teeing both streams: launcher threads, fds, RSS, CPU %",
+    "close": "close(timeout=0.5) of plain and TERM-ignoring workers",
+    "many": "1024 teed ranks launch+reap",
+    "nofile": "1024 teed ranks at RLIMIT_NOFILE soft = 1024: works, or clear error and nothing left",
+}
+
 
 def get(name):
     mod = importlib.import_module(f"bench.scenarios.{MODULES[name]}")

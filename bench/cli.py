@@ -1,0 +1,149 @@
+"""Command line: parse options, run the scenarios, print, save."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import datetime
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+from bench import report, scenarios
+from bench.common import REPO_ROOT, Ctx, git_info, machine_info, set_child_subreaper
+from bench.impls import ALL_IMPLS, TORCH_MODULE, resolve, torchmp_module
+
+
+def _csv(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="smaller data, fewer repetitions (< 5 min on 2 cores)")
+    p.add_argument("--only", type=_csv, default=None, metavar="SCENARIO[,..]",
+                   help=f"scenarios to run (default all: {','.join(scenarios.ORDER)})")
+    p.add_argument("--impl", type=_csv, default=None, metavar="IMPL[,..]",
+                   help=f"implementations (default all: {','.join(ALL_IMPLS)})")
+    p.add_argument("--repeat", type=int, default=None, metavar="N",
+                   help="repetitions per measurement (overrides the per-scenario defaults)")
+    p.add_argument("--json", default=os.path.join(REPO_ROOT, "docs", "bench.json"), metavar="PATH",
+                   help="where to write the results (default docs/bench.json)")
+    p.add_argument("--chart", default=os.path.join(REPO_ROOT, "docs", "bench.png"), metavar="PATH",
+                   help="where to write the PNG chart (default docs/bench.png; needs matplotlib)")
+    p.add_argument("--keep-tmp", action="store_true", help="keep the temporary directory")
+    p.add_argument("--list", action="store_true", help="list scenarios and implementations, then exit")
+    p.add_argument("--report", metavar="JSON", default=None,
+                   help="measure nothing: print the table and draw the chart from a saved JSON file")
+    a = p.parse_args(argv)
+    for s in a.only or []:
+        if s not in scenarios.ORDER:
+            p.error(f"unknown scenario {s!r} (known: {', '.join(scenarios.ORDER)})")
+    for i in a.impl or []:
+        if i not in ALL_IMPLS:
+            p.error(f"unknown impl {i!r} (known: {', '.join(ALL_IMPLS)})")
+    if a.repeat is not None and a.repeat < 1:
+        p.error("--repeat must be >= 1")
+    return a
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    if a.report:
+        with open(a.report) as f:
+            doc = json.load(f)
+        render(doc, report.load_json(doc), a.chart)
+        return 0
+    if a.list:
+        for s in scenarios.ORDER:
+            print(f"{s:<11} {scenarios.TITLES[s]}")
+        print("impls:", ", ".join(ALL_IMPLS))
+        return 0
+    only = a.only or scenarios.ORDER
+    order = [s for s in scenarios.ORDER if s in only]
+    names = [i for i in ALL_IMPLS if i in (a.impl or ALL_IMPLS)]
+    set_child_subreaper()
+
+    started = time.monotonic()
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    log(f"bench: {'quick' if a.quick else 'full'} run, scenarios {','.join(order)}")
+    impls, unavailable = resolve(names)
+    versions = {n: impls[n].version() for n in impls}
+    for n in names:
+        if n in impls:
+            log(f"  {n:<10} available ({versions[n] or '?'})")
+        else:
+            log(f"  {n:<10} UNAVAILABLE: {unavailable[n]}")
+    tmp = tempfile.mkdtemp(prefix="torchmp-bench-")
+    ctx = Ctx(impls, unavailable, a.quick, a.repeat, tmp, log)
+    results = {}
+    try:
+        for s in order:
+            log(f"[{s}] ({time.monotonic() - started:.0f}s elapsed)")
+            t = time.monotonic()
+            res = scenarios.get(s)(ctx)
+            res.elapsed_s = time.monotonic() - t
+            results[s] = res
+    except KeyboardInterrupt:
+        log("interrupted: reporting what was measured")
+    finally:
+        ctx.close()
+        if a.keep_tmp:
+            log(f"temporary files kept in {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    total = time.monotonic() - started
+
+    mach = machine_info()
+    tm_mod = torchmp_module()
+    doc = {
+        "date": date,
+        "mode": "quick" if a.quick else "full",
+        "argv": sys.argv[1:] if argv is None else list(argv),
+        "total_s": round(total, 1),
+        "machine": mach,
+        "git": git_info(),
+        "versions": {"python": mach["python"], **{n: versions.get(n) for n in names},
+                     "torchmp_module": tm_mod, "torch_module": TORCH_MODULE},
+        "impls": {n: ({"available": True, "version": versions[n]} if n in impls
+                      else {"available": False, "reason": unavailable[n]}) for n in names},
+        "scenarios": report.to_json(results, names),
+        "targets": report.evaluate_targets(results, names),
+    }
+    report.write_json(a.json, doc)
+    render(doc, results, a.chart)
+    print(f"results: {a.json}")
+    return 0
+
+
+def render(doc, results, chart_path) -> None:
+    """Print header, table and targets; draw the chart."""
+    names = list(doc["impls"])
+    unavailable = {n: d["reason"] for n, d in doc["impls"].items() if not d.get("available")}
+    versions = {n: d.get("version") for n, d in doc["impls"].items()}
+    mach = doc["machine"]
+    header = [
+        f"torchmp benchmark, {doc['date']}, {doc['mode']} run, {doc['total_s']:.0f}s",
+        f"machine: {mach['nproc']} cpus ({mach['cpu_model']}), kernel {mach['kernel']}, "
+        f"python {mach['python']}",
+        "versions: " + ", ".join(f"{n} {versions.get(n) or 'unavailable'}" for n in names),
+    ]
+    tm_mod = doc["versions"].get("torchmp_module")
+    if tm_mod and tm_mod != "torchmp":
+        header.append(f"NOTE: the torchmp column is {tm_mod} (BENCH_TORCHMP_MODULE)")
+    for n, why in unavailable.items():
+        header.append(f"unavailable: {n}: {why}")
+    header.append("values are medians unless marked; 'vs X' rows are ratios to X's value in this run")
+    print("\n".join(header))
+    print(report.table(results, names, unavailable))
+    print(report.targets_table(doc.get("targets") or report.evaluate_targets(results, names), names))
+    print()
+    msg = report.chart(chart_path, results, names,
+                       f"{doc['date'][:10]}, {mach['nproc']} cpus, {mach['cpu_model']}, {doc['mode']} run")
+    print(f"chart: {chart_path}" if msg is None else f"chart: {msg}")

@@ -1,0 +1,367 @@
+"""Text table, issue-4 targets (PASS/MISS), JSON file and PNG chart."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from bench.common import Result
+
+BASELINES = ("floor", "stdlib")
+CLOSE_TIMEOUT_MS = 500.0
+
+
+# --------------------------------------------------------------------------- numbers
+
+
+def fnum(v: float | None) -> str:
+    if v is None:
+        return "-"
+    if float(v).is_integer() and abs(v) < 1e7:
+        return str(int(v))
+    a = abs(v)
+    if a >= 1000:
+        return f"{v:.0f}"
+    if a >= 100:
+        return f"{v:.1f}"
+    if a >= 10:
+        return f"{v:.2f}"
+    return f"{v:.3f}"
+
+
+def fratio(v: float | None) -> str:
+    if v is None:
+        return "-"
+    if v >= 100:
+        return f"{v:.0f}x"
+    if v >= 10:
+        return f"{v:.1f}x"
+    return f"{v:.2f}x"
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+# --------------------------------------------------------------------------- targets
+
+
+@dataclass
+class Target:
+    id: str
+    text: str
+    scenarios: tuple[str, ...]
+    # (results, impl) -> (shown value, passed) ; passed None = not measurable
+    check: Callable[[dict[str, Result], str], tuple[str, bool | None]]
+
+
+def _v(results, scen, key, impl):
+    r = results.get(scen)
+    return r.value(key, impl) if r else None
+
+
+def _ratio_target(scen, key, base, limit, higher=False):
+    def check(results, impl):
+        a, b = _v(results, scen, key, impl), _v(results, scen, key, base)
+        r = ratio(a, b)
+        if r is None:
+            return "-", None
+        return fratio(r), (r >= limit if higher else r <= limit)
+
+    return check
+
+
+def _lag_check(results, impl):
+    a, b = _v(results, "lag", "lag", impl), _v(results, "lag", "lag", "floor")
+    if a is None or b is None:
+        return "-", None
+    d = a - b
+    return f"{d:+.2f}ms", d <= 1.0
+
+
+def _tee_vs_redirect(results, impl):
+    r = ratio(_v(results, "tee", "mbps", impl), _v(results, "redirect", "mbps", impl))
+    return (fratio(r), r >= 0.9) if r is not None else ("-", None)
+
+
+def _tee_integrity(results, impl):
+    vals = [_v(results, "tee", k, impl) for k in ("torn", "lost", "logs_bad")]
+    if any(v is None for v in vals):
+        return "-", None
+    torn, lost, bad = (int(v) for v in vals)
+    return f"{torn}/{lost}/{bad}", torn == 0 and lost == 0 and bad == 0
+
+
+def _limit(scen, key, limit, unit=""):
+    def check(results, impl):
+        v = _v(results, scen, key, impl)
+        if v is None:
+            return "-", None
+        return f"{fnum(v)}{unit}", v <= limit
+
+    return check
+
+
+def _many_check(results, impl):
+    ok, missing = _v(results, "many", "ok", impl), _v(results, "many", "missing", impl)
+    if ok is None:
+        return "-", None
+    return ("ok" if ok and not missing else f"ok={int(ok)} missing={missing}"), bool(ok) and not missing
+
+
+def _nofile_check(results, impl):
+    r = results.get("nofile")
+    if not r:
+        return "-", None
+    ok, left = r.value("ok", impl), r.value("left_running", impl)
+    if ok is None or left is None:
+        return "-", None
+    if ok:
+        return "launched", left == 0
+    err = (r.info.get(impl) or {}).get("error") or ""
+    return f"error,{int(left)} left", left == 0 and bool(err)
+
+
+TARGETS = [
+    Target("launch128", "launch+reap 128 binaries <= 1.15x floor", ("launch",),
+           _ratio_target("launch", "n128", "floor", 1.15)),
+    Target("launch1", "launch+reap 1 binary <= 1.5x floor", ("launch",),
+           _ratio_target("launch", "n1", "floor", 1.5)),
+    Target("lag", "exit-detection lag <= floor + 1 ms (default wait())", ("lag",), _lag_check),
+    Target("tee_speed", "tee throughput >= 0.9x redirect-only", ("tee", "redirect"), _tee_vs_redirect),
+    Target("tee_cpu", "tee launcher CPU <= 0.25x torch", ("tee",),
+           _ratio_target("tee", "cpu", "torch", 0.25)),
+    Target("tee_lines", "tee: 0 torn / 0 lost console lines / exact logs", ("tee",), _tee_integrity),
+    Target("idle_threads", "64 idle teed ranks: <= 1 extra thread", ("idle",), _limit("idle", "extra_threads", 1)),
+    Target("idle_cpu", "64 idle teed ranks: <= 0.2 % CPU", ("idle",), _limit("idle", "cpu_pct", 0.2, "%")),
+    Target("idle_fds", "64 idle teed ranks: <= 4 fds per rank", ("idle",), _limit("idle", "fds_per_rank", 4)),
+    Target("close", "close of TERM-ignoring ranks <= timeout + 5 ms", ("close",),
+           _limit("close", "ignore_ms", CLOSE_TIMEOUT_MS + 5, "ms")),
+    Target("many", "1024 teed ranks launch and reap", ("many",), _many_check),
+    Target("nofile", "nofile=1024: launches, or clear error and nothing left running", ("nofile",), _nofile_check),
+]
+
+
+def evaluate_targets(results: dict[str, Result], impls: list[str]) -> list[dict[str, Any]]:
+    out = []
+    for t in TARGETS:
+        if not any(s in results for s in t.scenarios):
+            continue
+        row = {"id": t.id, "target": t.text, "results": {}}
+        for impl in impls:
+            shown, passed = t.check(results, impl)
+            row["results"][impl] = {
+                "value": shown,
+                "status": "n/a" if passed is None else ("PASS" if passed else "MISS"),
+            }
+        out.append(row)
+    return out
+
+
+# --------------------------------------------------------------------------- text
+
+
+def _status_cell(impl, res: Result, unavailable: dict[str, str]) -> str | None:
+    if impl in unavailable:
+        return "unavail"
+    if impl in res.skipped:
+        return "skip"
+    if impl not in res.impls:
+        return "n/a"
+    return None
+
+
+def table(results: dict[str, Result], impls: list[str], unavailable: dict[str, str]) -> str:
+    w0, w = 30, 12
+    lines = []
+    for res in results.values():
+        lines.append("")
+        lines.append(f"== {res.name}: {res.title} ({res.elapsed_s:.0f}s) ==")
+        lines.append(" " * w0 + "".join(f"{i:>{w}}" for i in impls))
+        for m in res.metrics.values():
+            agg = "" if m.agg == "median" else f" {m.agg}"
+            label = f"{m.label} ({m.unit}{agg})"
+            cells = []
+            for i in impls:
+                st = _status_cell(i, res, unavailable)
+                if st is None:
+                    v = m.reduce(i)
+                    st = fnum(v) if v is not None else ("error" if i in res.errors else "-")
+                cells.append(st)
+            lines.append(f"{label[:w0 - 1]:<{w0}}" + "".join(f"{c:>{w}}" for c in cells))
+            if m.better == "info":
+                continue
+            for b in BASELINES:
+                bv = m.reduce(b)
+                if not bv or b not in impls:  # no baseline, or a zero one: no ratio
+                    continue
+                cells = [fratio(ratio(m.reduce(i), bv)) if m.reduce(i) is not None else "" for i in impls]
+                lines.append(f"{'  vs ' + b:<{w0}}" + "".join(f"{c:>{w}}" for c in cells))
+        for i, e in res.errors.items():
+            lines.append(f"  ! {i}: {e}")
+        for i, e in res.skipped.items():
+            lines.append(f"  - {i}: skipped: {e}")
+        for i, notes in res.info.items():
+            if notes:
+                text = ", ".join(f"{k}={_short(v)}" for k, v in notes.items())
+                lines.append(f"  . {i}: {text}")
+    return "\n".join(lines)
+
+
+def _short(v, n=160):
+    s = v if isinstance(v, str) else json.dumps(v, default=str)
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def targets_table(rows: list[dict[str, Any]], impls: list[str]) -> str:
+    if not rows:
+        return ""
+    w0, w = 48, 19
+    lines = ["", "== issue 4 targets (the subject is torchmp; other columns for context) =="]
+    lines.append(" " * w0 + "".join(f"{i:>{w}}" for i in impls))
+    for row in rows:
+        cells = []
+        for i in impls:
+            r = row["results"][i]
+            cells.append("-" if r["status"] == "n/a" else f"{r['status']} {r['value']}")
+        lines.append(f"{row['target'][:w0 - 1]:<{w0}}" + "".join(f"{c:>{w}}" for c in cells))
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- json
+
+
+def to_json(results: dict[str, Result], impls: list[str]) -> dict[str, Any]:
+    out = {}
+    for name, res in results.items():
+        metrics = {}
+        for key, m in res.metrics.items():
+            per = {}
+            bases = {b: m.reduce(b) for b in BASELINES}
+            for i, vals in m.values.items():
+                v = m.reduce(i)
+                per[i] = {
+                    "value": v,
+                    "samples": vals,
+                    "min": min(vals),
+                    "max": max(vals),
+                    **{f"ratio_vs_{b}": ratio(v, bv) for b, bv in bases.items() if bv is not None},
+                }
+            metrics[key] = {"label": m.label, "unit": m.unit, "better": m.better, "agg": m.agg, "impls": per}
+        out[name] = {
+            "title": res.title,
+            "params": res.params,
+            "elapsed_s": round(res.elapsed_s, 2),
+            "impls": res.impls,
+            "metrics": metrics,
+            "info": res.info,
+            "errors": res.errors,
+            "skipped": res.skipped,
+        }
+    return out
+
+
+def write_json(path: str, doc: dict[str, Any]) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- chart
+
+# (scenario, metric keys, title, log scale)
+PANELS = [
+    ("launch", ["n1", "n16", "n128", "n1024"], "launch+reap /bin/true (ms)", True),
+    ("funclaunch", None, "function launch (ms)", True),
+    ("lag", ["lag"], "exit-detection lag (ms)", True),
+    ("failfast", ["teardown_ms"], "failure -> siblings dead (ms)", True),
+    ("tee", ["mbps"], "tee 4 ranks (MB/s)", False),
+    ("redirect", ["mbps"], "redirect 4 ranks (MB/s)", False),
+    ("tee", ["cpu"], "tee: launcher CPU (s)", False),
+    ("idle", ["extra_threads", "fds_per_rank", "cpu_pct"], "64 idle teed ranks", True),
+    ("close", ["plain_ms", "ignore_ms"], "close(timeout=0.5) (ms)", False),
+    ("many", ["seconds"], "1024 teed ranks (s)", True),
+]
+COLORS = {"torchmp": "#d62728", "stdlib": "#1f77b4", "floor": "#7f7f7f", "torch": "#ff7f0e", "torch-p01": "#bcbd22"}
+
+
+def chart(path: str, results: dict[str, Result], impls: list[str], subtitle: str) -> str | None:
+    """Write the PNG; returns a message if it was skipped."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install '.[bench]' or pip install matplotlib): chart skipped"
+    panels = []
+    for scen, keys, title, logy in PANELS:
+        res = results.get(scen)
+        if not res:
+            continue
+        keys = keys or list(res.metrics)
+        keys = [k for k in keys if k in res.metrics and any(res.metrics[k].values.values())]
+        if keys:
+            panels.append((res, keys, title, logy))
+    if not panels:
+        return "no data to chart"
+    cols = 3
+    rows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.6 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    for ax, (res, keys, title, logy) in zip(axes.flat, panels):
+        group = [i for i in impls if any(res.metrics[k].reduce(i) is not None for k in keys)]
+        width = 0.8 / max(1, len(group))
+        for j, impl in enumerate(group):
+            xs, ys, vs = [], [], []
+            for x, k in enumerate(keys):
+                v = res.metrics[k].reduce(impl)
+                if v is not None:
+                    xs.append(x + (j - (len(group) - 1) / 2) * width)
+                    ys.append(max(v, 1e-3) if logy else v)
+                    vs.append(v)
+            bars = ax.bar(xs, ys, width, label=impl, color=COLORS.get(impl))
+            for b, y, v in zip(bars, ys, vs):
+                ax.annotate(fnum(v), (b.get_x() + b.get_width() / 2, y), ha="center", va="bottom",
+                            fontsize=6, rotation=90 if len(keys) * len(group) > 8 else 0)
+        ax.set_xticks(range(len(keys)))
+        ax.set_xticklabels([res.metrics[k].label for k in keys], fontsize=8)
+        ax.set_title(title, fontsize=10)
+        if logy:
+            ax.set_yscale("log")
+        ax.tick_params(axis="y", labelsize=7)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"torchmp benchmark — {subtitle}", fontsize=11)
+    fig.tight_layout()
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def load_json(doc: dict[str, Any]) -> dict[str, Result]:
+    """Rebuild Results from a saved JSON document (for --report)."""
+    out = {}
+    for name, sd in doc.get("scenarios", {}).items():
+        res = Result(name, sd.get("title", ""), sd.get("impls", []))
+        res.params = sd.get("params", {})
+        res.elapsed_s = sd.get("elapsed_s", 0.0)
+        res.info = sd.get("info", {})
+        res.errors = sd.get("errors", {})
+        res.skipped = sd.get("skipped", {})
+        for key, md in sd.get("metrics", {}).items():
+            m = res.metric(key, md["label"], md["unit"], md.get("better", "lower"), md.get("agg", "median"))
+            for impl, d in md.get("impls", {}).items():
+                m.values[impl] = list(d.get("samples", []))
+        out[name] = res
+    return out

@@ -1,0 +1,106 @@
+"""Test-wide guards: every test must leave no fd, child process or zombie.
+
+The guard snapshots the process's open fds and its children before each
+test and compares after it.  The torchmp I/O thread's own fds (created on
+first use, kept for the process's life) are created before the first
+snapshot.  Leftover children are killed by process group and reaped, so a
+failing test never leaves processes behind, and the test is failed.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+import torchmp
+from torchmp import _core
+
+
+def _open_fds() -> set[int]:
+    dirfd = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return {int(fd) for fd in os.listdir(dirfd)} - {dirfd}
+    finally:
+        os.close(dirfd)
+
+
+def _fd_target(fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return "?"
+
+
+def _children() -> list[psutil.Process]:
+    try:
+        return psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _kill_and_reap(procs: list[psutil.Process]) -> None:
+    for p in procs:
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(p.pid, signal.SIGKILL)
+            except OSError:
+                pass
+    for p in procs:
+        try:
+            os.waitpid(p.pid, 0)
+        except ChildProcessError:
+            pass
+        except OSError:
+            pass
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _start_io_thread() -> None:
+    # The I/O thread and its control fd live as long as the process.
+    _core.backend()
+
+
+@pytest.fixture(autouse=True)
+def leak_guard(request: pytest.FixtureRequest):
+    if request.node.get_closest_marker("no_leak_guard"):
+        yield
+        return
+    gc.collect()
+    fds_before = _open_fds()
+    children_before = {p.pid for p in _children()}
+    yield
+    # Groups are released asynchronously by the I/O thread: allow it a moment.
+    deadline = time.monotonic() + 3.0
+    while True:
+        gc.collect()
+        leaked_fds = _open_fds() - fds_before
+        leftover = [p for p in _children() if p.pid not in children_before]
+        if (not leaked_fds and not leftover) or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    problems = []
+    if leaked_fds:
+        problems.append("leaked fds: " + ", ".join(f"{fd}->{_fd_target(fd)}" for fd in sorted(leaked_fds)))
+    if leftover:
+        desc = []
+        for p in leftover:
+            try:
+                desc.append(f"{p.pid} ({p.status()}: {' '.join(p.cmdline())[:80]})")
+            except psutil.Error:
+                desc.append(f"{p.pid} (gone)")
+        problems.append("leftover child processes: " + "; ".join(desc))
+        _kill_and_reap(leftover)
+    if problems:
+        pytest.fail("; ".join(problems), pytrace=False)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "no_leak_guard: the test manages its own leak checks")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"torchmp {torchmp.__version__}, backend {_core.backend()}, core {_core.__file__}"

@@ -1,0 +1,96 @@
+"""Spawn/reap utilities for the tests (psutil's tests/__init__.py style)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import torchmp
+from torchmp import DefaultLogsSpecs, Std
+
+HERE = Path(__file__).resolve().parent
+BIN = HERE / "bin"
+REPO = HERE.parent
+
+
+def pid_alive(pid: int) -> bool:
+    """True if pid exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
+def wait_gone(pids, timeout: float = 5.0) -> list[int]:
+    """Wait until none of pids is alive; return the ones still alive."""
+    deadline = time.monotonic() + timeout
+    alive = [p for p in pids if pid_alive(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.01)
+        alive = [p for p in alive if pid_alive(p)]
+    return alive
+
+
+def kill_groups(pids) -> None:
+    """Last-resort cleanup by process group, then by pid."""
+    for pid in pids:
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def read_pids(path: Path, count: int, timeout: float = 5.0) -> list[int]:
+    """Wait for a file with `count` pids (one a line) written by workers."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            lines = path.read_text().split()
+        except FileNotFoundError:
+            lines = []
+        if len(lines) >= count:
+            return [int(x) for x in lines[:count]]
+        time.sleep(0.01)
+    raise AssertionError(f"workers did not write {count} pids to {path}")
+
+
+def launch(entrypoint, args, envs=None, *, log_dir, redirects=Std.NONE, tee=Std.NONE,
+           name="trainer", local_ranks_filter=None, **kwargs):
+    specs = DefaultLogsSpecs(log_dir=str(log_dir), redirects=redirects, tee=tee,
+                             local_ranks_filter=local_ranks_filter)
+    if envs is None:
+        envs = {r: {} for r in range(len(args))}
+    return torchmp.start_processes(name, entrypoint, args, envs, specs, **kwargs)
+
+
+def run_launcher(script: str, *, timeout: float = 60, env=None, stdout=subprocess.PIPE,
+                 stderr=subprocess.PIPE) -> subprocess.CompletedProcess:
+    """Run a launcher program in a fresh interpreter (its console is ours to read)."""
+    # The child uses this interpreter and environment, so it imports the same
+    # torchmp as the tests (installed, or a source tree on PYTHONPATH).
+    full_env = dict(os.environ)
+    if env:
+        full_env.update(env)
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], stdout=stdout,
+                            stderr=stderr, env=full_env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_groups([proc.pid])
+        proc.communicate()
+        raise
+    finally:
+        kill_groups([proc.pid])
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def python_worker(code: str) -> tuple[str, tuple[str, ...]]:
+    """(entrypoint, args) for a binary launch of `python -c code`."""
+    return sys.executable, ("-c", textwrap.dedent(code))

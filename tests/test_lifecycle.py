@@ -1,0 +1,310 @@
+"""Exits, fail-fast, close escalation, signals, waiting, and the API surface."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import torchmp
+from torchmp import DefaultLogsSpecs, RunProcsResult, SignalException, Std, SubprocessContext
+
+from helpers import BIN, kill_groups, launch, pid_alive, python_worker, read_pids, run_launcher, wait_gone
+
+
+def test_success_result_shape_and_resources(tmp_path):
+    ctx = launch("sh", {0: ("-c", "exit 0"), 1: ("-c", "exit 0")}, log_dir=tmp_path, redirects=Std.OUT)
+    pids = ctx.pids()
+    result = ctx.wait()
+    ctx.close()
+    assert isinstance(result, RunProcsResult) and not result.is_failed()
+    assert result.return_values == {0: None, 1: None}
+    assert result.stderrs == {0: "", 1: ""} and result.stdouts[0].endswith("/0/stdout.log")
+    assert set(result.resources) == {0, 1}
+    for rank, usage in result.resources.items():
+        assert usage.pid == pids[rank] and usage.exitcode == 0
+        assert 0 < usage.wall_time < 10 and usage.user_time >= 0 and usage.max_rss > 0
+
+
+def test_cpu_time_is_measured(tmp_path):
+    entry, args = python_worker("x = 0\nfor i in range(3_000_000): x += i")
+    ctx = launch(entry, {0: args}, log_dir=tmp_path)
+    result = ctx.wait(60)
+    ctx.close()
+    usage = result.resources[0]
+    assert usage.user_time + usage.system_time > 0.05
+    assert usage.wall_time >= usage.user_time * 0.5
+
+
+@pytest.mark.parametrize("cmd, code, signame", [
+    ("exit 3", 3, "<N/A>"),
+    ("kill -KILL $$", -9, "SIGKILL"),
+    ("kill -SEGV $$", -11, "SIGSEGV"),
+    ("kill -ABRT $$", -6, "SIGABRT"),
+])
+def test_exit_codes_and_signals(tmp_path, cmd, code, signame):
+    ctx = launch("sh", {0: ("-c", cmd)}, log_dir=tmp_path)
+    result = ctx.wait(30)
+    ctx.close()
+    failure = result.failures[0]
+    assert failure.exitcode == code and failure.signal_name() == signame
+    assert failure.pid == result.resources[0].pid
+    assert not failure.terminated_by_launcher
+
+
+def test_fail_fast_terminates_siblings_and_reports_root_cause(tmp_path):
+    args = {0: ("-c", "sleep 0.2; exit 5"), 1: ("-c", "exec sleep 100"), 2: ("-c", "exec sleep 100")}
+    ctx = launch("sh", args, log_dir=tmp_path)
+    pids = ctx.pids()
+    t0 = time.monotonic()
+    result = ctx.wait(30)
+    elapsed = time.monotonic() - t0
+    assert elapsed < 5
+    assert set(result.failures) == {0, 1, 2}
+    assert result.failures[0].exitcode == 5
+    assert result.failures[1].exitcode == -signal.SIGTERM and result.failures[1].terminated_by_launcher
+    assert all(not pid_alive(p) for p in pids.values())
+    from torchmp.errors import ChildFailedError
+    err = ChildFailedError("trainer", result.failures)
+    rank, first = err.get_first_failure()
+    assert rank == 0 and first.exitcode == 5
+    ctx.close()
+
+
+def test_close_escalates_to_sigkill_on_term_ignoring_workers(tmp_path):
+    pidfile = tmp_path / "pids"
+    ctx = launch(sys.executable, {r: (str(BIN / "ignore_term.py"), str(pidfile)) for r in range(2)},
+                 log_dir=tmp_path / "logs")
+    pids = read_pids(pidfile, 2)
+    t0 = time.monotonic()
+    ctx.close(timeout=0.5)
+    elapsed = time.monotonic() - t0
+    assert 0.5 <= elapsed < 2.0
+    assert wait_gone(pids, 0.1) == []
+    result = ctx.wait(0)
+    assert {f.exitcode for f in result.failures.values()} == {-signal.SIGKILL}
+
+
+def test_close_is_idempotent_and_safe_after_exit(tmp_path):
+    ctx = launch("true", {0: ()}, log_dir=tmp_path)
+    ctx.wait()
+    ctx.close()
+    ctx.close()
+    ctx.close(signal.SIGKILL, timeout=0)
+    assert ctx.wait(0) is not None
+
+
+def test_close_kills_grandchildren_through_the_process_group(tmp_path):
+    pidfile = tmp_path / "gc"
+    ctx = launch("sh", {0: ("-c", f"sleep 100 & echo $! > {pidfile}; sleep 100")}, log_dir=tmp_path / "l")
+    grandchild = read_pids(pidfile, 1)
+    try:
+        assert pid_alive(grandchild[0])
+        ctx.close()
+        assert wait_gone(grandchild, 2.0) == []
+    finally:
+        kill_groups(grandchild)
+
+
+def test_grandchildren_of_exited_workers_are_killed_when_the_run_ends(tmp_path):
+    pidfile = tmp_path / "gc"
+    # The grandchild ignores SIGTERM and outlives its parent; wait() closes
+    # the context once the run is decided, as torch's does, and that takes
+    # down what is left in the workers' process groups.
+    ctx = launch("sh", {0: ("-c", f"(trap '' TERM; exec sleep 100) > /dev/null 2>&1 & echo $! > {pidfile}")},
+                 log_dir=tmp_path / "l")
+    grandchild = read_pids(pidfile, 1)
+    try:
+        assert pid_alive(grandchild[0])
+        result = ctx.wait(10)
+        assert not result.is_failed()
+        assert wait_gone(grandchild, 2.0) == []
+        ctx.close()
+    finally:
+        kill_groups(grandchild)
+
+
+def test_wait_timeout_returns_none_and_poll(tmp_path):
+    ctx = launch("sleep", {0: ("100",)}, log_dir=tmp_path)
+    try:
+        assert ctx.wait(0) is None
+        t0 = time.monotonic()
+        assert ctx.wait(0.2) is None
+        assert 0.2 <= time.monotonic() - t0 < 1.0
+    finally:
+        ctx.close()
+
+
+def test_wait_is_event_driven_not_period_driven(tmp_path):
+    ctx = launch("sh", {0: ("-c", "sleep 0.3")}, log_dir=tmp_path)
+    t0 = time.monotonic()
+    result = ctx.wait(timeout=30, period=10)
+    elapsed = time.monotonic() - t0
+    ctx.close()
+    assert not result.is_failed()
+    exit_lag = elapsed - result.resources[0].wall_time
+    assert elapsed < 1.0 and exit_lag < 0.25
+
+
+def test_context_manager_closes(tmp_path):
+    with launch("sleep", {0: ("100",)}, log_dir=tmp_path) as ctx:
+        pid = ctx.pids()[0]
+        assert pid_alive(pid)
+    assert wait_gone([pid], 1.0) == []
+
+
+def test_sigterm_to_launcher_raises_signal_exception_and_close_cleans_up(tmp_path):
+    pidfile = tmp_path / "pids"
+    script = f"""
+        import sys
+        import torchmp
+        from torchmp import SignalException
+        ctx = torchmp.start_processes("w", "sh", {{0: ("-c", "echo $$ >> {pidfile}; exec sleep 100")}},
+                                      {{0: {{}}}}, torchmp.DefaultLogsSpecs(log_dir="{tmp_path}/logs"))
+        print("ready", flush=True)
+        try:
+            ctx.wait()
+        except SignalException as e:
+            print("caught", e.sigval.name, flush=True)
+            ctx.close(e.sigval)
+            print("closed", flush=True)
+    """
+    import subprocess
+    import textwrap
+    env = dict(os.environ)
+    launcher = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE,
+                                env=env, start_new_session=True)
+    workers = []
+    try:
+        assert launcher.stdout.readline() == b"ready\n"
+        workers = read_pids(pidfile, 1)
+        launcher.send_signal(signal.SIGTERM)
+        out, _ = launcher.communicate(timeout=10)
+        assert out == b"caught SIGTERM\nclosed\n"
+        assert wait_gone(workers, 1.0) == []
+    finally:
+        kill_groups([launcher.pid] + workers)
+        launcher.wait()
+        launcher.stdout.close()
+
+
+def test_signals_to_handle_env_var(monkeypatch, tmp_path):
+    old = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
+    monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGUSR1, NOSUCHSIG")
+    try:
+        ctx = launch("true", {0: ()}, log_dir=tmp_path)
+        ctx.wait()
+        ctx.close()
+        assert signal.getsignal(signal.SIGUSR1) is not old[signal.SIGUSR1]
+        assert signal.getsignal(signal.SIGTERM) is old[signal.SIGTERM]
+        with pytest.raises(SignalException) as info:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(1)
+        assert info.value.sigval == signal.SIGUSR1
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+# --- the two start_processes signatures -----------------------------------
+
+def test_torch_19_signature_layout(tmp_path):
+    log_dir = tmp_path / "legacy"
+    ctx = torchmp.start_processes("trainer", "echo", {0: ("a",), 1: ("b",)}, {0: {}, 1: {}}, str(log_dir),
+                                  "spawn", Std.OUT, Std.NONE)
+    result = ctx.wait(30)
+    ctx.close()
+    assert result.stdouts == {0: str(log_dir / "0" / "stdout.log"), 1: str(log_dir / "1" / "stdout.log")}
+    assert (log_dir / "1" / "stdout.log").read_bytes() == b"b\n"
+    # keywords of the 1.9 form, envs omitted
+    ctx = torchmp.start_processes(name="t", entrypoint="echo", args={0: "hello"},
+                                  log_dir=str(tmp_path / "kw"), redirects=Std.ALL)
+    result = ctx.wait(30)
+    ctx.close()
+    assert (tmp_path / "kw" / "0" / "stdout.log").read_bytes() == b"hello\n"
+
+
+def test_torch_19_log_dir_checks_before_start(tmp_path):
+    (tmp_path / "nonempty").mkdir()
+    (tmp_path / "nonempty" / "x").write_text("x")
+    with pytest.raises(RuntimeError, match="nonempty"):
+        torchmp.start_processes("t", "true", {0: ()}, {0: {}}, str(tmp_path / "nonempty"))
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(NotADirectoryError):
+        torchmp.start_processes("t", "true", {0: ()}, {0: {}}, str(tmp_path / "afile"))
+
+
+@pytest.mark.parametrize("args, envs, exc, needle", [
+    ({0: (), 2: ()}, None, ValueError, "args"),
+    ({0: (), 1: ()}, {0: {}}, ValueError, "envs"),
+    ({0: (), 1: ()}, {0: {}, 1: {}, 2: {}}, ValueError, "envs"),
+    ([(), ()], None, ValueError, "args"),
+    ({0: ()}, {0: "FOO=1"}, ValueError, "envs[0]"),
+])
+def test_bad_rank_mappings_rejected_before_start(tmp_path, args, envs, exc, needle):
+    with pytest.raises(exc) as info:
+        torchmp.start_processes("t", "true", args, envs, DefaultLogsSpecs(log_dir=str(tmp_path / "l")))
+    assert needle in str(info.value)
+    assert not any((tmp_path / "l").iterdir())
+
+
+def test_other_bad_inputs(tmp_path):
+    specs = DefaultLogsSpecs(log_dir=str(tmp_path / "l"))
+    with pytest.raises(NotImplementedError, match="numa"):
+        torchmp.start_processes("t", "true", {0: ()}, {0: {}}, specs, numa_options=object())
+    with pytest.raises(TypeError, match="logs_specs"):
+        torchmp.start_processes("t", "true", {0: ()}, {0: {}})
+    with pytest.raises(TypeError, match="entrypoint"):
+        torchmp.start_processes("t", 42, {0: ()}, {0: {}}, specs)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        torchmp.start_processes("t", "true", {0: ()}, {0: {}}, specs, bogus=1)
+    with pytest.raises(ValueError, match="NUL"):
+        torchmp.start_processes("t", "echo", {0: ("a\0b",)}, {0: {}}, specs)
+    assert not any((tmp_path / "l").iterdir())
+
+
+def test_symlink_planted_as_log_file_is_not_followed(tmp_path):
+    specs = DefaultLogsSpecs(log_dir=str(tmp_path / "l"), redirects=Std.OUT)
+    envs = {0: {}}
+    ctx = SubprocessContext("t", "echo", {0: ("x",)}, envs, specs)
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    os.symlink(victim, ctx.stdouts[0])
+    with pytest.raises(OSError, match="symlink"):
+        ctx.start()
+    ctx.close()
+    assert victim.read_text() == "precious"
+
+
+def test_torch_logs_specs_objects_are_accepted(tmp_path):
+    torch_api = pytest.importorskip("torch.distributed.elastic.multiprocessing.api")
+    specs = torch_api.DefaultLogsSpecs(log_dir=str(tmp_path), redirects=torch_api.Std.ALL)
+    ctx = torchmp.start_processes("t", "echo", {0: ("via torch specs",)}, {0: {}}, specs)
+    result = ctx.wait(30)
+    ctx.close()
+    assert Path(result.stdouts[0]).read_bytes() == b"via torch specs\n"
+
+
+def test_user_subclass_of_pcontext_keeps_torch_polling_wait():
+    class Fake(torchmp.PContext):
+        def __init__(self):
+            self.polls = 0
+
+        def _start(self):
+            pass
+
+        def _poll(self):
+            self.polls += 1
+            return RunProcsResult() if self.polls == 3 else None
+
+        def pids(self):
+            return {}
+
+        def _close(self, death_sig, timeout=30):
+            pass
+
+    fake = Fake()
+    assert fake.wait(timeout=5, period=0.01) is not None and fake.polls == 3

@@ -1,0 +1,563 @@
+"""``torchmp run``: launch ``n`` copies of a command on this host.
+
+::
+
+    torchmp run -n 4 -- python train.py --epochs 3
+
+starts four copies of ``python train.py --epochs 3`` through
+:func:`torchmp.start_processes`, each with the environment ``torchrun
+--standalone`` would give it (``LOCAL_RANK``, ``RANK``, ``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` on a free port, ...).
+By default every line a worker writes goes to its log file and, prefixed
+with ``[{name}{rank}]:``, to the console.  The first failing rank stops the
+others (fail-fast), the torchelastic failure report is printed, and an
+end-of-run summary table (rank, pid, exit, wall time, CPU time, max RSS) goes
+to stderr.
+
+Exit status (as ``srun``):
+
+==================================  ==========================================
+what happened                       exit status
+==================================  ==========================================
+every rank exited 0                 0
+a rank failed                       the root-cause rank's exit code, or
+                                    128 + N if signal N killed it
+``torchmp run`` got signal N        128 + N (after terminating the workers)
+bad usage (nothing started)         2
+the command cannot be found         127 (126: found but not executable)
+==================================  ==========================================
+
+Log files are laid out as ``torchrun``'s:
+``{log_dir}/{run_id}_<random>/attempt_0/{local_rank}/{stdout.log,stderr.log,error.json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import string
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from types import FrameType
+from typing import Any, NoReturn
+
+from torchmp.api import SignalException, start_processes
+from torchmp.errors import ChildFailedError, ProcessFailure
+from torchmp.logs_specs import DefaultLogsSpecs, LogsDest, Std, to_map
+
+__all__ = ["build_parser", "main"]
+
+PROG = "torchmp run"
+
+#: Fields a ``--prefix`` template may use.
+PREFIX_FIELDS = ("name", "rank", "local_rank", "pid", "host")
+DEFAULT_PREFIX = "[{name}{rank}]:"
+
+#: Signals that make ``torchmp run`` terminate its workers and exit 128 + N.
+HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+_MIB = 1024 * 1024
+
+logger = logging.getLogger("torchmp.cli")
+
+
+class _UsageError(Exception):
+    pass
+
+
+def timestamps_supported() -> bool:
+    """True if the native console framer can stamp each teed line with a time."""
+    from torchmp import _core
+
+    return bool(getattr(_core, "HAVE_LINE_TIMESTAMPS", False))
+
+
+# ---------------------------------------------------------------------------
+# Parsing
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # argparse's own format ("usage: ...", "prog: error: ..."), exit code 2.
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    p = _Parser(
+        prog=prog,
+        usage=f"{prog} -n N [options] -- COMMAND [ARGS...]",
+        description=(
+            "Launch N copies of COMMAND on this host, with torchrun's environment "
+            "variables, teed and prefixed output, log files, fail-fast, the "
+            "failure report and a summary table."
+        ),
+        epilog=(
+            "Exit status: 0 if every rank succeeded; else the root-cause rank's exit "
+            "code, or 128+N if it died by signal N (as srun); 128+N if torchmp run "
+            "itself got signal N; 2 for bad usage; 127/126 if COMMAND cannot be found/run."
+        ),
+    )
+    p.add_argument("-n", "--nproc", "--nproc-per-node", dest="nproc", type=int, required=True,
+                   metavar="N", help="number of copies (local ranks) to start on this host")
+    p.add_argument("--name", default=None,
+                   help="the job's name, used in prefixes and the failure report "
+                        "(default: the command's base name)")
+    p.add_argument("--log-dir", default=None, metavar="DIR",
+                   help="base directory for log files (default: a fresh directory under "
+                        f"{tempfile.gettempdir()}); the run's directory is printed to stderr; "
+                        f"{os.devnull} writes no files")
+    p.add_argument("--redirects", default="0", metavar="SPEC",
+                   help="streams written to the log files only: 0=none 1=stdout 2=stderr 3=both, "
+                        "or per local rank as '0:3,1:0' (default: 0)")
+    p.add_argument("--tee", default=None, metavar="SPEC",
+                   help="streams written to the log files and, prefixed, to the console "
+                        "(same syntax; default: every stream that is not in --redirects)")
+    p.add_argument("--local-ranks-filter", default=None, metavar="RANKS",
+                   help="only these local ranks (e.g. '0,2') reach the console; the log files "
+                        "are written for every rank")
+    p.add_argument("--prefix", default=DEFAULT_PREFIX, metavar="TEMPLATE",
+                   help="console line prefix, a str.format template with the fields "
+                        "{name} {rank} {local_rank} {pid} {host}; {pid} is the pid of "
+                        f"torchmp run itself (the workers do not exist yet) (default: "
+                        f"'{DEFAULT_PREFIX.replace('{', '{{').replace('}', '}}')}')")
+    p.add_argument("--timestamps", action="store_true",
+                   help="start every teed console line with the time it was read")
+    p.add_argument("--start-method", default="spawn", choices=("spawn", "fork", "forkserver"),
+                   help="accepted for torchrun compatibility; it only matters for Python "
+                        "function entrypoints, and torchmp run starts binaries (fork+exec)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="set an environment variable in every rank (repeatable; applied last, "
+                        "so it can override the ones torchmp run sets)")
+    p.add_argument("--no-summary", dest="summary", action="store_false",
+                   help="do not print the end-of-run summary table")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="after a failure or a signal, how long the other ranks get to exit "
+                        "after SIGTERM (or the signal received) before SIGKILL (default: 30)")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="number of hosts in the job (default: 1); each host runs its own "
+                        "torchmp run with the same --master-addr/--master-port")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this host's index in 0..nnodes-1 (default: 0); "
+                        "RANK = node_rank * N + LOCAL_RANK")
+    p.add_argument("--master-addr", default=None,
+                   help="MASTER_ADDR for the ranks (default: 127.0.0.1; required if --nnodes > 1)")
+    p.add_argument("--master-port", type=int, default=None,
+                   help="MASTER_PORT for the ranks (default: a free port on 127.0.0.1; "
+                        "required if --nnodes > 1)")
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND",
+                   help="the program to run and its arguments (after '--')")
+    return p
+
+
+def _split_command(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """Split at the first ``--``: (options, command), command None if absent."""
+    try:
+        i = argv.index("--")
+    except ValueError:
+        return argv, None
+    return argv[:i], argv[i + 1:]
+
+
+def _parse_std(text: str, nproc: int, option: str) -> dict[int, Std]:
+    try:
+        setting = Std.from_str(text)
+    except ValueError as e:
+        raise _UsageError(f"{option}: {e}") from None
+    if isinstance(setting, dict):
+        bad = sorted(r for r in setting if r >= nproc)
+        if bad:
+            raise _UsageError(
+                f"{option}: local rank {bad[0]} is out of range 0..{nproc - 1} in {text!r}")
+    return to_map(setting, nproc)
+
+
+def _parse_ranks_filter(text: str, nproc: int) -> set[int]:
+    ranks: set[int] = set()
+    for item in text.split(","):
+        item = item.strip()
+        if not item.isascii() or not item.isdigit():
+            raise _UsageError(
+                f"--local-ranks-filter: expected a comma-separated list of local ranks "
+                f"(e.g. '0,2'), got {text!r}")
+        rank = int(item)
+        if rank >= nproc:
+            raise _UsageError(
+                f"--local-ranks-filter: local rank {rank} is out of range 0..{nproc - 1}")
+        ranks.add(rank)
+    return ranks
+
+
+def _parse_env(items: Sequence[str]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise _UsageError(f"--env: expected KEY=VALUE, got {item!r}")
+        if "\0" in item:
+            raise _UsageError(f"--env: {item!r} contains a NUL byte")
+        env[key] = value
+    return env
+
+
+def _check_prefix(template: str) -> None:
+    try:
+        fields = list(string.Formatter().parse(template))
+    except ValueError as e:
+        raise _UsageError(f"--prefix: malformed template {template!r}: {e}") from None
+    for _, field, _, _ in fields:
+        if field is None:
+            continue
+        base = field.split(".", 1)[0].split("[", 1)[0]
+        if base not in PREFIX_FIELDS:
+            shown = "{}" if field == "" else "{" + field + "}"
+            raise _UsageError(
+                f"--prefix: unknown field {shown} in {template!r}; the fields are "
+                + " ".join("{" + f + "}" for f in PREFIX_FIELDS))
+    try:
+        template.format(name="n", rank=0, local_rank=0, pid=1, host="h")
+    except (ValueError, KeyError, IndexError, AttributeError, TypeError) as e:
+        raise _UsageError(f"--prefix: cannot format {template!r}: {e}") from None
+
+
+def _free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (bind to port 0, read it, close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class _Plan:
+    """Everything a launch needs, checked before anything starts."""
+
+    def __init__(self, args: argparse.Namespace, command: list[str]) -> None:
+        if not command:
+            raise _UsageError("no command given (put it after '--', e.g. "
+                              f"{PROG} -n 2 -- python train.py)")
+        if args.nproc < 1:
+            raise _UsageError(f"-n/--nproc must be at least 1, got {args.nproc}")
+        if args.nnodes < 1:
+            raise _UsageError(f"--nnodes must be at least 1, got {args.nnodes}")
+        if not 0 <= args.node_rank < args.nnodes:
+            raise _UsageError(
+                f"--node-rank must be in 0..{args.nnodes - 1}, got {args.node_rank}")
+        if args.nnodes > 1 and (args.master_addr is None or args.master_port is None):
+            raise _UsageError("--nnodes > 1 needs --master-addr and --master-port "
+                              "(the same on every host)")
+        if args.master_port is not None and not 0 < args.master_port < 65536:
+            raise _UsageError(f"--master-port must be in 1..65535, got {args.master_port}")
+        if not args.shutdown_timeout >= 0:
+            raise _UsageError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+        if args.timestamps and not timestamps_supported():
+            raise _UsageError("--timestamps is not supported yet by this build of torchmp "
+                              "(the native console framer cannot stamp lines)")
+        self.command = command
+        self.nproc: int = args.nproc
+        self.name: str = args.name if args.name is not None else os.path.basename(command[0])
+        if not self.name:
+            raise _UsageError("--name must not be empty")
+        redirects = _parse_std(args.redirects, self.nproc, "--redirects")
+        if args.tee is None:
+            # Tee whatever is not redirected: output reaches the console prefixed.
+            tee = {r: Std(Std.ALL & ~redirects[r]) for r in redirects}
+        else:
+            tee = _parse_std(args.tee, self.nproc, "--tee")
+        self.redirects = redirects
+        self.tee = tee
+        self.ranks_filter = (None if args.local_ranks_filter is None
+                             else _parse_ranks_filter(args.local_ranks_filter, self.nproc))
+        _check_prefix(args.prefix)
+        self.prefix_template: str = args.prefix
+        self.user_env = _parse_env(args.env)
+        self.start_method: str = args.start_method
+        self.summary: bool = args.summary
+        self.shutdown_timeout: float = args.shutdown_timeout
+        self.timestamps: bool = args.timestamps
+        self.nnodes: int = args.nnodes
+        self.node_rank: int = args.node_rank
+        self.master_addr: str = args.master_addr or "127.0.0.1"
+        self.master_port: int | None = args.master_port
+        self.log_dir_arg: str | None = args.log_dir
+        if self.log_dir_arg is not None:
+            if not self.log_dir_arg:
+                raise _UsageError("--log-dir must not be empty")
+            if self.log_dir_arg != os.devnull and os.path.exists(self.log_dir_arg) \
+                    and not os.path.isdir(self.log_dir_arg):
+                raise _UsageError(f"--log-dir: {self.log_dir_arg} exists and is not a directory")
+
+    def global_rank(self, local_rank: int) -> int:
+        return self.node_rank * self.nproc + local_rank
+
+    def envs(self, master_port: int) -> dict[int, dict[str, str]]:
+        world = self.nnodes * self.nproc
+        envs = {}
+        for local in range(self.nproc):
+            rank = self.global_rank(local)
+            env = {
+                "LOCAL_RANK": str(local),
+                "RANK": str(rank),
+                "GROUP_RANK": str(self.node_rank),
+                "ROLE_RANK": str(rank),
+                "ROLE_NAME": self.name,
+                "LOCAL_WORLD_SIZE": str(self.nproc),
+                "WORLD_SIZE": str(world),
+                "GROUP_WORLD_SIZE": str(self.nnodes),
+                "ROLE_WORLD_SIZE": str(world),
+                "MASTER_ADDR": self.master_addr,
+                "MASTER_PORT": str(master_port),
+                "TORCHELASTIC_RUN_ID": self.name,
+                "TORCHELASTIC_RESTART_COUNT": "0",
+                "TORCHELASTIC_MAX_RESTARTS": "0",
+            }
+            env.update(self.user_env)
+            envs[local] = env
+        return envs
+
+    def prefixes(self) -> dict[int, str]:
+        host = socket.gethostname()
+        return {
+            local: self.prefix_template.format(
+                name=self.name, rank=self.global_rank(local), local_rank=local,
+                pid=os.getpid(), host=host)
+            for local in range(self.nproc)
+        }
+
+
+class _AnnouncingLogsSpecs(DefaultLogsSpecs):
+    """torchrun's layout; says where the run's files are before any rank starts."""
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        dest = super().reify(envs)
+        if self.root_log_dir == os.devnull:
+            _say(f"no log files (--log-dir {os.devnull})")
+        elif dest.error_files:
+            attempt_dir = os.path.dirname(os.path.dirname(dest.error_files[0]))
+            _say(f"log directory: {attempt_dir}")
+        return dest
+
+
+# ---------------------------------------------------------------------------
+# Reporting
+
+
+def _say(message: str) -> None:
+    sys.stderr.write(f"torchmp: {message}\n")
+    sys.stderr.flush()
+
+
+def exit_code_for(failure: ProcessFailure) -> int:
+    """srun's rule: the exit code, or 128 + N for a death by signal N."""
+    if failure.exitcode < 0:
+        return 128 + (-failure.exitcode)
+    return failure.exitcode & 0xFF or 1
+
+
+def _format_rss(nbytes: int) -> str:
+    return f"{nbytes / _MIB:.1f} MiB"
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return str(code)
+
+
+def format_summary(
+    plan_name: str,
+    nproc: int,
+    global_rank: Any,
+    result: Any,
+    notes: dict[int, str],
+    exit_code: int,
+    elapsed: float,
+) -> str:
+    """The end-of-run table, one row per local rank (``?`` where unknown)."""
+    header = ("rank", "pid", "exit", "wall", "cpu", "max rss", "")
+    rows = []
+    resources = getattr(result, "resources", {}) if result is not None else {}
+    for local in range(nproc):
+        usage = resources.get(local)
+        if usage is None:
+            rows.append((str(global_rank(local)), "?", "?", "?", "?", "?", notes.get(local, "")))
+            continue
+        rows.append((
+            str(global_rank(local)),
+            str(usage.pid),
+            _exit_text(usage.exitcode),
+            f"{usage.wall_time:.3f}s",
+            f"{usage.user_time + usage.system_time:.3f}s",
+            _format_rss(usage.max_rss),
+            notes.get(local, ""),
+        ))
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+    left = {2, 6}  # exit and note read better left-aligned
+
+    def line(cells: Sequence[str]) -> str:
+        out = [c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        return "  ".join(out).rstrip()
+
+    failed = sum(1 for local in range(nproc)
+                 if resources.get(local) is None or resources[local].exitcode != 0)
+    title = (f"torchmp: summary of {plan_name}: {nproc - failed}/{nproc} ranks succeeded, "
+             f"exit code {exit_code}, {elapsed:.2f}s")
+    return "\n".join([title, line(header), *(line(r) for r in rows)]) + "\n"
+
+
+# ---------------------------------------------------------------------------
+# Running
+
+
+def _raise_signal_exception(signum: int, frame: FrameType | None) -> None:
+    sigval = signal.Signals(signum)
+    raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
+
+
+def _install_handlers() -> None:
+    for sig in HANDLED_SIGNALS:
+        signal.signal(sig, _raise_signal_exception)
+
+
+def _configure_logging() -> None:
+    log = logging.getLogger("torchmp")
+    if not any(getattr(h, "_torchmp_cli", False) for h in log.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("torchmp: %(message)s"))
+        handler._torchmp_cli = True  # type: ignore[attr-defined]
+        log.addHandler(handler)
+    log.setLevel(logging.WARNING)
+    log.propagate = False
+
+
+class _Run:
+    def __init__(self, plan: _Plan) -> None:
+        self.plan = plan
+        self.ctx: Any = None
+        self.result: Any = None
+        self.signal: signal.Signals | None = None
+        self.started = time.monotonic()
+
+    def launch(self) -> None:
+        plan = self.plan
+        port = plan.master_port if plan.master_port is not None else _free_port()
+        envs = plan.envs(port)
+        log_dir = plan.log_dir_arg
+        if log_dir is None:
+            log_dir = tempfile.mkdtemp(prefix="torchmp_")
+        specs = _AnnouncingLogsSpecs(log_dir=log_dir, redirects=plan.redirects, tee=plan.tee,
+                                     local_ranks_filter=plan.ranks_filter)
+        self.started = time.monotonic()
+        self.ctx = start_processes(
+            name=plan.name,
+            entrypoint=plan.command[0],
+            args={r: tuple(plan.command[1:]) for r in range(plan.nproc)},
+            envs=envs,
+            logs_specs=specs,
+            log_line_prefixes=plan.prefixes(),
+            start_method=plan.start_method,
+        )
+
+    def wait(self) -> None:
+        self.result = self.ctx.wait()
+
+    def shut_down(self, sig: signal.Signals) -> None:
+        """Terminate the workers with ``sig``; a second signal means SIGKILL now."""
+        self.signal = self.signal or sig
+        death_sig, timeout = sig, self.plan.shutdown_timeout
+        while True:
+            try:
+                if self.ctx is not None:
+                    self.ctx.close(death_sig, timeout)
+                    self.result = self.ctx.wait(0)
+                return
+            except SignalException:
+                death_sig, timeout = signal.SIGKILL, 0
+
+    def exit_code(self) -> int:
+        if self.signal is not None:
+            return 128 + int(self.signal)
+        if self.result is None or not self.result.failures:
+            return 0
+        _, first = self._child_failed_error().get_first_failure()
+        return exit_code_for(first)
+
+    def _child_failed_error(self) -> ChildFailedError:
+        failures = {self.plan.global_rank(local): f for local, f in self.result.failures.items()}
+        return ChildFailedError(self.plan.name, failures)
+
+    def notes(self) -> dict[int, str]:
+        notes: dict[int, str] = {}
+        if self.result is None:
+            return notes
+        root = None
+        if self.result.failures and self.signal is None:
+            root = self._child_failed_error().get_first_failure()[1].local_rank
+        for local, failure in self.result.failures.items():
+            if local == root:
+                notes[local] = "root cause"
+            elif failure.terminated_by_launcher or (
+                    self.signal is not None and failure.exitcode in (-self.signal, -signal.SIGKILL)):
+                notes[local] = "terminated by torchmp"
+        return notes
+
+    def report(self) -> None:
+        if self.signal is not None:
+            _say(f"got {self.signal.name}: terminated the workers")
+        elif self.result is not None and self.result.failures:
+            sys.stderr.write(self._child_failed_error().format_msg() + "\n")
+        if self.plan.summary:
+            sys.stderr.write(format_summary(
+                self.plan.name, self.plan.nproc, self.plan.global_rank, self.result,
+                self.notes(), self.exit_code(), time.monotonic() - self.started))
+        sys.stderr.flush()
+
+
+def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
+    """Entry point of ``torchmp run``; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(prog)
+    options, command = _split_command(argv)
+    args = parser.parse_args(options)
+    if command is not None:
+        # Options first, then '--' and the command; a command started before
+        # '--' keeps the '--' and what follows as its own arguments.
+        args.command = (args.command + ["--"] + command) if args.command else command
+    try:
+        plan = _Plan(args, args.command)
+    except _UsageError as e:
+        parser.error(str(e))
+
+    _configure_logging()
+    run = _Run(plan)
+    _install_handlers()  # before the first worker exists
+    try:
+        try:
+            run.launch()
+            run.wait()
+        except SignalException as e:
+            run.shut_down(e.sigval)
+        except FileNotFoundError as e:
+            _say(f"error: cannot run {plan.command[0]!r}: {e.strerror}")
+            return 127
+        except PermissionError as e:
+            _say(f"error: cannot run {plan.command[0]!r}: {e.strerror}")
+            return 126
+        run.report()
+        return run.exit_code()
+    except SignalException as e:
+        # A signal while reporting: the workers are already gone or going.
+        run.shut_down(e.sigval)
+        return 128 + int(e.sigval)
+    finally:
+        if run.ctx is not None:
+            try:
+                run.ctx.close(signal.SIGKILL, 0)
+            except SignalException:
+                pass
