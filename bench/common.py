@@ -52,6 +52,7 @@ class Metric:
     unit: str
     better: str = "lower"  # "lower" | "higher" | "info"
     agg: str = "median"  # how samples are reduced: median | max | min
+    compare: str = "ratio"  # against the baselines: "ratio" (a / b) or "diff" (a - b)
     values: dict[str, list[float]] = field(default_factory=dict)
 
     def add(self, impl: str, value: float | None) -> None:
@@ -84,9 +85,9 @@ class Result:
         self.params: dict[str, Any] = {}
         self.elapsed_s = 0.0
 
-    def metric(self, key, label, unit, better="lower", agg="median") -> Metric:
+    def metric(self, key, label, unit, better="lower", agg="median", compare="ratio") -> Metric:
         if key not in self.metrics:
-            self.metrics[key] = Metric(key, label, unit, better, agg)
+            self.metrics[key] = Metric(key, label, unit, better, agg, compare)
         return self.metrics[key]
 
     def note(self, impl: str, key: str, value: Any) -> None:

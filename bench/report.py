@@ -42,7 +42,7 @@ def fratio(v: float | None) -> str:
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b == 0:
+    if a is None or b is None or b <= 0:
         return None
     return a / b
 
@@ -197,9 +197,14 @@ def table(results: dict[str, Result], impls: list[str], unavailable: dict[str, s
                 continue
             for b in BASELINES:
                 bv = m.reduce(b)
-                if not bv or b not in impls:  # no baseline, or a zero one: no ratio
+                if bv is None or b not in impls:
                     continue
-                cells = [fratio(ratio(m.reduce(i), bv)) if m.reduce(i) is not None else "" for i in impls]
+                if m.compare == "diff":
+                    cells = [f"{m.reduce(i) - bv:+.2f}" if m.reduce(i) is not None else "" for i in impls]
+                elif bv > 0:
+                    cells = [fratio(ratio(m.reduce(i), bv)) if m.reduce(i) is not None else "" for i in impls]
+                else:  # a zero or negative baseline has no meaningful ratio
+                    continue
                 lines.append(f"{'  vs ' + b:<{w0}}" + "".join(f"{c:>{w}}" for c in cells))
         for i, e in res.errors.items():
             lines.append(f"  ! {i}: {e}")
@@ -249,9 +254,11 @@ def to_json(results: dict[str, Result], impls: list[str]) -> dict[str, Any]:
                     "samples": vals,
                     "min": min(vals),
                     "max": max(vals),
-                    **{f"ratio_vs_{b}": ratio(v, bv) for b, bv in bases.items() if bv is not None},
+                    **{f"ratio_vs_{b}": ratio(v, bv) for b, bv in bases.items() if bv},
+                    **{f"diff_vs_{b}": v - bv for b, bv in bases.items() if bv is not None and m.compare == "diff"},
                 }
-            metrics[key] = {"label": m.label, "unit": m.unit, "better": m.better, "agg": m.agg, "impls": per}
+            metrics[key] = {"label": m.label, "unit": m.unit, "better": m.better, "agg": m.agg,
+                            "compare": m.compare, "impls": per}
         out[name] = {
             "title": res.title,
             "params": res.params,
@@ -360,7 +367,8 @@ def load_json(doc: dict[str, Any]) -> dict[str, Result]:
         res.errors = sd.get("errors", {})
         res.skipped = sd.get("skipped", {})
         for key, md in sd.get("metrics", {}).items():
-            m = res.metric(key, md["label"], md["unit"], md.get("better", "lower"), md.get("agg", "median"))
+            m = res.metric(key, md["label"], md["unit"], md.get("better", "lower"), md.get("agg", "median"),
+                           md.get("compare", "ratio"))
             for impl, d in md.get("impls", {}).items():
                 m.values[impl] = list(d.get("samples", []))
         out[name] = res

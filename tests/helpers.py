@@ -70,16 +70,24 @@ def launch(entrypoint, args, envs=None, *, log_dir, redirects=Std.NONE, tee=Std.
     return torchmp.start_processes(name, entrypoint, args, envs, specs, **kwargs)
 
 
-def run_launcher(script: str, *, timeout: float = 60, env=None, stdout=subprocess.PIPE,
-                 stderr=subprocess.PIPE) -> subprocess.CompletedProcess:
-    """Run a launcher program in a fresh interpreter (its console is ours to read)."""
-    # The child uses this interpreter and environment, so it imports the same
-    # torchmp as the tests (installed, or a source tree on PYTHONPATH).
+def popen_launcher(script: str, *, env=None, **kwargs) -> subprocess.Popen:
+    """Start a launcher program in a fresh interpreter, in its own session.
+
+    It uses this interpreter and environment, so it imports the same torchmp
+    as the tests (installed, or a source tree on PYTHONPATH); its cwd is "/"
+    so that `python -c` cannot pick up an unbuilt source tree from the cwd.
+    """
     full_env = dict(os.environ)
     if env:
         full_env.update(env)
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], stdout=stdout,
-                            stderr=stderr, env=full_env, start_new_session=True)
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], env=full_env,
+                            cwd="/", start_new_session=True, **kwargs)
+
+
+def run_launcher(script: str, *, timeout: float = 60, env=None, stdout=subprocess.PIPE,
+                 stderr=subprocess.PIPE) -> subprocess.CompletedProcess:
+    """Run a launcher program to completion (its console is ours to read)."""
+    proc = popen_launcher(script, env=env, stdout=stdout, stderr=stderr)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -12,7 +13,8 @@ import pytest
 import torchmp
 from torchmp import DefaultLogsSpecs, RunProcsResult, SignalException, Std, SubprocessContext
 
-from helpers import BIN, kill_groups, launch, pid_alive, python_worker, read_pids, run_launcher, wait_gone
+from helpers import (BIN, kill_groups, launch, pid_alive, popen_launcher, python_worker, read_pids,
+                     run_launcher, wait_gone)
 
 
 def test_success_result_shape_and_resources(tmp_path):
@@ -172,11 +174,7 @@ def test_sigterm_to_launcher_raises_signal_exception_and_close_cleans_up(tmp_pat
             ctx.close(e.sigval)
             print("closed", flush=True)
     """
-    import subprocess
-    import textwrap
-    env = dict(os.environ)
-    launcher = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE,
-                                env=env, start_new_session=True)
+    launcher = popen_launcher(script, stdout=subprocess.PIPE)
     workers = []
     try:
         assert launcher.stdout.readline() == b"ready\n"

@@ -5,6 +5,7 @@ import errno
 import os
 import signal
 import stat
+import subprocess
 import sys
 
 import pytest
@@ -12,7 +13,8 @@ import pytest
 import torchmp
 from torchmp import Std, _core
 
-from helpers import kill_groups, launch, pid_alive, python_worker, read_pids, run_launcher, wait_gone
+from helpers import (kill_groups, launch, pid_alive, popen_launcher, python_worker, read_pids, run_launcher,
+                     wait_gone)
 
 
 def run_one(tmp_path, entrypoint, args, env=None, **kw):
@@ -195,11 +197,7 @@ def test_launcher_sigkilled_takes_workers_with_it(tmp_path, no_vfork):
         print("started", flush=True)
         time.sleep(100)
     """
-    import subprocess
-    import textwrap
-    env = dict(os.environ, TORCHMP_NO_VFORK=no_vfork)
-    launcher = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE,
-                                env=env, start_new_session=True)
+    launcher = popen_launcher(script, env={"TORCHMP_NO_VFORK": no_vfork}, stdout=subprocess.PIPE)
     workers = []
     try:
         assert launcher.stdout.readline() == b"started\n"

@@ -137,8 +137,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--no-summary", dest="summary", action="store_false",
                    help="do not print the end-of-run summary table")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="after a failure or a signal, how long the other ranks get to exit "
-                        "after SIGTERM (or the signal received) before SIGKILL (default: 30)")
+                   help="when torchmp run gets a signal, how long the workers get to exit "
+                        "after it is passed on to them, before SIGKILL (default: 30; the "
+                        "fail-fast shutdown after a rank fails always allows 30)")
     p.add_argument("--nnodes", type=int, default=1,
                    help="number of hosts in the job (default: 1); each host runs its own "
                         "torchmp run with the same --master-addr/--master-port")
@@ -354,7 +355,7 @@ def exit_code_for(failure: ProcessFailure) -> int:
     """srun's rule: the exit code, or 128 + N for a death by signal N."""
     if failure.exitcode < 0:
         return 128 + (-failure.exitcode)
-    return failure.exitcode & 0xFF or 1
+    return failure.exitcode
 
 
 def _format_rss(nbytes: int) -> str:
