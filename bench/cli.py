@@ -7,6 +7,7 @@ import json
 import datetime
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -21,7 +22,11 @@ def _csv(s: str) -> list[str]:
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="Benchmark torchmp against a careful stdlib launcher, the posix_spawn/pidfd floor "
+                    "and torch's module, side by side in one run (see bench/README.md).",
+        epilog="scenarios: " + "; ".join(f"{k}: {v}" for k, v in scenarios.TITLES.items()))
     p.add_argument("--quick", action="store_true", help="smaller data, fewer repetitions (< 5 min on 2 cores)")
     p.add_argument("--only", type=_csv, default=None, metavar="SCENARIO[,..]",
                    help=f"scenarios to run (default all: {','.join(scenarios.ORDER)})")
@@ -69,8 +74,10 @@ def main(argv=None) -> int:
     order = [s for s in scenarios.ORDER if s in only]
     names = [i for i in ALL_IMPLS if i in (a.impl or ALL_IMPLS)]
     set_child_subreaper()
+    signal.signal(signal.SIGTERM, _terminate)  # clean up like ^C does
 
     started = time.monotonic()
+    load_start = os.getloadavg()
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     log(f"bench: {'quick' if a.quick else 'full'} run, scenarios {','.join(order)}")
     impls, unavailable = resolve(names)
@@ -101,6 +108,8 @@ def main(argv=None) -> int:
     total = time.monotonic() - started
 
     mach = machine_info()
+    mach["loadavg_at_start"] = load_start
+    mach["loadavg_at_end"] = os.getloadavg()
     tm_mod = torchmp_module()
     doc = {
         "date": date,
@@ -122,6 +131,14 @@ def main(argv=None) -> int:
     return 0
 
 
+def _load(v) -> str:
+    return f"{v[0]:.2f}" if v else "?"
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def render(doc, results, chart_path) -> None:
     """Print header, table and targets; draw the chart."""
     names = list(doc["impls"])
@@ -131,7 +148,8 @@ def render(doc, results, chart_path) -> None:
     header = [
         f"torchmp benchmark, {doc['date']}, {doc['mode']} run, {doc['total_s']:.0f}s",
         f"machine: {mach['nproc']} cpus ({mach['cpu_model']}), kernel {mach['kernel']}, "
-        f"python {mach['python']}",
+        f"python {mach['python']}, load average {_load(mach.get('loadavg_at_start'))} at start, "
+        f"{_load(mach.get('loadavg_at_end'))} at end",
         "versions: " + ", ".join(f"{n} {versions.get(n) or 'unavailable'}" for n in names),
     ]
     tm_mod = doc["versions"].get("torchmp_module")
@@ -142,8 +160,10 @@ def render(doc, results, chart_path) -> None:
     header.append("values are medians unless marked; 'vs X' rows are ratios to X's value in this run")
     print("\n".join(header))
     print(report.table(results, names, unavailable))
-    print(report.targets_table(doc.get("targets") or report.evaluate_targets(results, names), names))
+    print(report.targets_table(report.evaluate_targets(results, names), names))
     print()
-    msg = report.chart(chart_path, results, names,
-                       f"{doc['date'][:10]}, {mach['nproc']} cpus, {mach['cpu_model']}, {doc['mode']} run")
+    sub = f"{doc['date'][:10]}, {mach['nproc']} cpus, {mach['cpu_model']}, {doc['mode']} run"
+    if tm_mod and tm_mod != "torchmp":
+        sub += f" (torchmp column = {tm_mod})"
+    msg = report.chart(chart_path, results, names, sub)
     print(f"chart: {chart_path}" if msg is None else f"chart: {msg}")

@@ -127,22 +127,22 @@ def _nofile_check(results, impl):
 
 
 TARGETS = [
-    Target("launch128", "launch+reap 128 binaries <= 1.15x floor", ("launch",),
+    Target("launch128", "launch+reap 128 bins <= 1.15x floor", ("launch",),
            _ratio_target("launch", "n128", "floor", 1.15)),
-    Target("launch1", "launch+reap 1 binary <= 1.5x floor", ("launch",),
+    Target("launch1", "launch+reap 1 bin <= 1.5x floor", ("launch",),
            _ratio_target("launch", "n1", "floor", 1.5)),
-    Target("lag", "exit-detection lag <= floor + 1 ms (default wait())", ("lag",), _lag_check),
-    Target("tee_speed", "tee throughput >= 0.9x redirect-only", ("tee", "redirect"), _tee_vs_redirect),
+    Target("lag", "exit lag, default wait() <= floor+1ms", ("lag",), _lag_check),
+    Target("tee_speed", "tee MB/s >= 0.9x redirect MB/s", ("tee", "redirect"), _tee_vs_redirect),
     Target("tee_cpu", "tee launcher CPU <= 0.25x torch", ("tee",),
            _ratio_target("tee", "cpu", "torch", 0.25)),
-    Target("tee_lines", "tee: 0 torn / 0 lost console lines / exact logs", ("tee",), _tee_integrity),
-    Target("idle_threads", "64 idle teed ranks: <= 1 extra thread", ("idle",), _limit("idle", "extra_threads", 1)),
-    Target("idle_cpu", "64 idle teed ranks: <= 0.2 % CPU", ("idle",), _limit("idle", "cpu_pct", 0.2, "%")),
-    Target("idle_fds", "64 idle teed ranks: <= 4 fds per rank", ("idle",), _limit("idle", "fds_per_rank", 4)),
-    Target("close", "close of TERM-ignoring ranks <= timeout + 5 ms", ("close",),
+    Target("tee_lines", "tee torn/lost lines/bad logs = 0/0/0", ("tee",), _tee_integrity),
+    Target("idle_threads", "idle 64 teed: <= 1 extra thread", ("idle",), _limit("idle", "extra_threads", 1)),
+    Target("idle_cpu", "idle 64 teed: <= 0.2% CPU", ("idle",), _limit("idle", "cpu_pct", 0.2, "%")),
+    Target("idle_fds", "idle 64 teed: <= 4 fds per rank", ("idle",), _limit("idle", "fds_per_rank", 4)),
+    Target("close", "close TERM-ignoring <= timeout+5ms", ("close",),
            _limit("close", "ignore_ms", CLOSE_TIMEOUT_MS + 5, "ms")),
     Target("many", "1024 teed ranks launch and reap", ("many",), _many_check),
-    Target("nofile", "nofile=1024: launches, or clear error and nothing left running", ("nofile",), _nofile_check),
+    Target("nofile", "nofile=1024: runs, or error + 0 left", ("nofile",), _nofile_check),
 ]
 
 
@@ -225,14 +225,14 @@ def _short(v, n=160):
 def targets_table(rows: list[dict[str, Any]], impls: list[str]) -> str:
     if not rows:
         return ""
-    w0, w = 48, 19
+    w0, w = 40, 20
     lines = ["", "== issue 4 targets (the subject is torchmp; other columns for context) =="]
     lines.append(" " * w0 + "".join(f"{i:>{w}}" for i in impls))
     for row in rows:
         cells = []
         for i in impls:
             r = row["results"][i]
-            cells.append("-" if r["status"] == "n/a" else f"{r['status']} {r['value']}")
+            cells.append("-" if r["status"] == "n/a" else f"{r['status']} {r['value']}"[: w - 1])
         lines.append(f"{row['target'][:w0 - 1]:<{w0}}" + "".join(f"{c:>{w}}" for c in cells))
     return "\n".join(lines)
 
@@ -294,7 +294,7 @@ PANELS = [
     ("redirect", ["mbps"], "redirect 4 ranks (MB/s)", False),
     ("tee", ["cpu"], "tee: launcher CPU (s)", False),
     ("idle", ["extra_threads", "fds_per_rank", "cpu_pct"], "64 idle teed ranks", True),
-    ("close", ["plain_ms", "ignore_ms"], "close(timeout=0.5) (ms)", False),
+    ("close", ["plain_ms", "ignore_ms"], "close(timeout=0.5) (ms)", True),
     ("many", ["seconds"], "1024 teed ranks (s)", True),
 ]
 COLORS = {"torchmp": "#d62728", "stdlib": "#1f77b4", "floor": "#7f7f7f", "torch": "#ff7f0e", "torch-p01": "#bcbd22"}
@@ -348,7 +348,7 @@ def chart(path: str, results: dict[str, Result], impls: list[str], subtitle: str
         ax.tick_params(axis="y", labelsize=7)
         ax.legend(fontsize=7)
     fig.suptitle(f"torchmp benchmark — {subtitle}", fontsize=11)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     fig.savefig(path, dpi=110)

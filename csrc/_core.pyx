@@ -5,13 +5,13 @@ Thin wrappers over the C core in csrc/*.c: argument conversion, memory
 ownership and errno -> OSError.  Policy (what to spawn, when to kill, how to
 report) lives in torchmp/api.py.
 """
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE, PyBytes_FromStringAndSize
 from cpython.exc cimport PyErr_CheckSignals
 from libc.errno cimport errno, EINTR
 from libc.stdint cimport int64_t, uint64_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memset, strerror
-from posix.unistd cimport getpid
+from posix.unistd cimport getpid, fork, close as c_close, _exit, write as c_write
 
 from ctorchmp cimport *
 
@@ -25,6 +25,15 @@ cdef extern from "<poll.h>" nogil:
     int poll(pollfd *fds, unsigned long nfds, int timeout)
     enum:
         POLLIN
+
+cdef extern from "Python.h":
+    void PyOS_BeforeFork()
+    void PyOS_AfterFork_Parent()
+    void PyOS_AfterFork_Child()
+
+cdef extern from "<signal.h>" nogil:
+    enum:
+        SIGKILL
 
 cdef extern from *:
     """
@@ -46,12 +55,33 @@ PORTABLE_BUILD = bool(TORCHMP_PORTABLE_BUILD)
 STREAM_INHERIT = TORCHMP_STREAM_INHERIT
 STREAM_FILE = TORCHMP_STREAM_FILE
 STREAM_TEE = TORCHMP_STREAM_TEE
+STREAM_CAPTURE = TORCHMP_STREAM_CAPTURE
+FD_RETURN = TORCHMP_FD_RETURN
+FD_PAYLOAD = TORCHMP_FD_PAYLOAD
 
 PROC_UNSTARTED = TORCHMP_PROC_UNSTARTED
 PROC_RUNNING = TORCHMP_PROC_RUNNING
 PROC_EXITED = TORCHMP_PROC_EXITED
 
 STEP_EXEC = TORCHMP_STEP_EXEC
+
+
+def child_setup(int stdout_fd, int stderr_fd, bint pdeathsig, int parent_pid):
+    """In a freshly forked Python worker: new session, parent-death signal
+    (with the parent-died race checked), stdout/stderr onto the given fds.
+    Closes nothing else: the interpreter may own other fds."""
+    cdef torchmp_spawn_args a
+    cdef int step, j
+    memset(&a, 0, sizeof(a))
+    for j in range(TORCHMP_CHILD_FDS):
+        a.child_fds[j] = -1
+    a.child_fds[1] = stdout_fd
+    a.child_fds[2] = stderr_fd
+    a.pdeathsig = SIGKILL if pdeathsig else 0
+    a.parent_pid = parent_pid
+    step = torchmp_child_setup(&a, -1, 0)
+    if step != 0:
+        raise exec_error(step, errno, None)
 
 
 cdef int check(int rc, const char *what) except -1:
@@ -219,12 +249,13 @@ cdef class Group:
     def spawn(self, list specs):
         """Start ranks 0..len(specs)-1.
 
-        Each spec is (path, argv, envp, out, err, keep_fd) with path bytes,
-        argv/envp lists of bytes, out/err (mode, fd, console, prefix) tuples.
+        Each spec is (path, argv, envp, out, err, ret, payload_fd) with path
+        bytes, argv/envp lists of bytes, out/err/ret (mode, fd, console,
+        prefix) tuples; payload_fd (or -1) becomes the worker's fd 4.
         Raises SpawnError (an OSError) with .rank and .step set for the first
         rank that could not be started.
         """
-        cdef Py_ssize_t i, count = len(specs)
+        cdef Py_ssize_t i, j, count = len(specs)
         cdef torchmp_rank_spec *cspecs = NULL
         cdef torchmp_exec_error err
         cdef list keep = []
@@ -239,7 +270,7 @@ cdef class Group:
             raise MemoryError()
         try:
             for i in range(count):
-                path, argv, envp, out, errspec, keep_fd = specs[i]
+                path, argv, envp, out, errspec, ret, payload_fd = specs[i]
                 if not isinstance(path, bytes):
                     raise TypeError("path must be bytes")
                 keep.append(path)
@@ -247,9 +278,12 @@ cdef class Group:
                 cspecs[i].args.argv = cstring_array(argv, keep)
                 cspecs[i].args.envp = cstring_array(envp, keep)
                 cspecs[i].args.cwd = NULL
-                cspecs[i].args.keep_fd = keep_fd
+                for j in range(TORCHMP_CHILD_FDS):
+                    cspecs[i].args.child_fds[j] = -1
+                cspecs[i].args.child_fds[TORCHMP_FD_PAYLOAD] = payload_fd
                 stream_spec_fill(&cspecs[i].out, out, keep)
                 stream_spec_fill(&cspecs[i].err, errspec, keep)
+                stream_spec_fill(&cspecs[i].ret, ret, keep)
             memset(&err, 0, sizeof(err))
             with nogil:
                 started = torchmp_group_spawn(self.g, cspecs, <int>count, &err)
@@ -270,12 +304,140 @@ cdef class Group:
                 free(<void *>cspecs[i].args.envp)
             free(cspecs)
 
+    def fork_rank(self, int rank, tuple out, tuple errspec, tuple ret, bint pdeathsig):
+        """fork() the calling (Python) thread for rank, through CPython's
+        before/after-fork hooks.
+
+        Returns (0, ret_fd) in the child -- whose stdout/stderr are already
+        redirected, in its own session -- and (pid, -1) in the parent, where
+        the I/O thread now watches the child.  pdeathsig: arm
+        PR_SET_PDEATHSIG (it fires when the *forking thread* exits, so only
+        ask for it from a thread that outlives the workers).
+        """
+        cdef torchmp_rank_spec spec
+        cdef torchmp_spawn_args setup
+        cdef torchmp_exec_error err
+        cdef list keep = []
+        cdef int rc, saved, step, j, ret_fd
+        cdef pid_t pid, parent = getpid()
+        self._ours()
+        memset(&spec, 0, sizeof(spec))
+        memset(&err, 0, sizeof(err))
+        for j in range(TORCHMP_CHILD_FDS):
+            spec.args.child_fds[j] = -1
+        stream_spec_fill(&spec.out, out, keep)
+        stream_spec_fill(&spec.err, errspec, keep)
+        stream_spec_fill(&spec.ret, ret, keep)
+        with nogil:
+            rc = torchmp_group_prepare(self.g, rank, &spec, &err)
+        if rc != 0:
+            raise exec_error(err.step, err.errnum, None)
+        # In a Python child the return channel stays where it is: fd 3 may
+        # be something of the interpreter's.
+        setup = spec.args
+        ret_fd = setup.child_fds[TORCHMP_FD_RETURN]
+        setup.child_fds[TORCHMP_FD_RETURN] = -1
+        setup.parent_pid = parent
+        setup.pdeathsig = SIGKILL if pdeathsig else 0
+
+        PyOS_BeforeFork()
+        pid = fork()
+        saved = errno
+        if pid == 0:
+            PyOS_AfterFork_Child()
+            step = torchmp_child_setup(&setup, -1, 0)
+            if step != 0:
+                saved = errno
+                msg = f"torchmp: worker setup failed during {step_name(step)}: {strerror(saved).decode()}\n".encode()
+                c_write(2, PyBytes_AS_STRING(msg), PyBytes_GET_SIZE(msg))
+                _exit(127)
+            # The redirect targets now live at fds 1 and 2.
+            for j in (1, 2):
+                if spec.args.child_fds[j] >= 0 and (j == 1 and spec.out.mode != TORCHMP_STREAM_FILE or
+                                                    j == 2 and spec.err.mode != TORCHMP_STREAM_FILE):
+                    c_close(spec.args.child_fds[j])
+            self.owner_pid = -1  # this group belongs to the parent
+            return 0, ret_fd
+        PyOS_AfterFork_Parent()
+        for j, mode in ((1, spec.out.mode), (2, spec.err.mode), (3, spec.ret.mode)):
+            if spec.args.child_fds[j] >= 0 and mode != TORCHMP_STREAM_FILE:
+                c_close(spec.args.child_fds[j])
+        if pid < 0:
+            torchmp_group_drop(self.g, rank)
+            raise OSError(saved, f"fork: {strerror(saved).decode()}")
+        with nogil:
+            rc = torchmp_group_adopt(self.g, rank, pid, 0, &err)
+        if rc != 0:
+            raise exec_error(err.step, err.errnum, None)
+        self.started = max(self.started, rank + 1)
+        return pid, -1
+
+    def prepare_rank(self, int rank, tuple out, tuple errspec, tuple ret):
+        """Open rank's streams on the I/O thread without starting anything.
+
+        Returns the worker-side fds (stdout, stderr, return channel; -1 for
+        none).  Pipe ends are new fds the caller must close once the worker
+        has them; FILE targets are the caller's own fds, returned as given.
+        """
+        cdef torchmp_rank_spec spec
+        cdef torchmp_exec_error err
+        cdef list keep = []
+        cdef int rc, j
+        self._ours()
+        memset(&spec, 0, sizeof(spec))
+        memset(&err, 0, sizeof(err))
+        for j in range(TORCHMP_CHILD_FDS):
+            spec.args.child_fds[j] = -1
+        stream_spec_fill(&spec.out, out, keep)
+        stream_spec_fill(&spec.err, errspec, keep)
+        stream_spec_fill(&spec.ret, ret, keep)
+        with nogil:
+            rc = torchmp_group_prepare(self.g, rank, &spec, &err)
+        if rc != 0:
+            raise exec_error(err.step, err.errnum, None)
+        return spec.args.child_fds[1], spec.args.child_fds[2], spec.args.child_fds[3]
+
+    def adopt(self, int rank, int pid, bint foreign):
+        """Watch pid as rank (after prepare_rank).  A foreign pid is not our
+        child: its exit arrives as a trailer on its return channel."""
+        cdef torchmp_exec_error err
+        cdef int rc
+        self._ours()
+        memset(&err, 0, sizeof(err))
+        with nogil:
+            rc = torchmp_group_adopt(self.g, rank, pid, foreign, &err)
+        if rc != 0:
+            raise exec_error(err.step, err.errnum, None)
+        self.started = max(self.started, rank + 1)
+
+    def drop(self, int rank):
+        """Undo prepare_rank for a rank that was never started."""
+        self._ours()
+        with nogil:
+            torchmp_group_drop(self.g, rank)
+
+    def take_return(self, int rank):
+        """The bytes rank wrote to its return channel so far (then forgotten)."""
+        cdef size_t n = 0
+        cdef char *data
+        if self.g == NULL:
+            raise ValueError("worker group is closed")
+        data = torchmp_group_take_capture(self.g, rank, &n)
+        if data == NULL:
+            if errno != 0:
+                raise MemoryError(f"the return value of local rank {rank} did not fit in memory")
+            return b""
+        try:
+            return PyBytes_FromStringAndSize(data, <Py_ssize_t>n)
+        finally:
+            free(data)
+
     def snapshot(self):
         """(version, [per-rank tuples]) taken atomically from the I/O thread.
 
         Tuple: (state, pid, wait_status, start_mono_ns, exit_mono_ns,
         exit_real_ns, utime_ns, stime_ns, maxrss_kb, out_log_errno,
-        err_log_errno).
+        err_log_errno, status_lost).
         """
         cdef torchmp_proc_info *info
         cdef uint64_t version
@@ -291,7 +453,7 @@ cdef class Group:
                 (info[i].state, info[i].pid, info[i].wait_status, info[i].start_mono_ns,
                  info[i].exit_mono_ns, info[i].exit_real_ns, info[i].utime_ns,
                  info[i].stime_ns, info[i].maxrss_kb, info[i].out_log_errno,
-                 info[i].err_log_errno)
+                 info[i].err_log_errno, info[i].status_lost)
                 for i in range(self.nprocs)
             ]
         finally:

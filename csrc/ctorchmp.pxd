@@ -14,20 +14,24 @@ cdef extern from "torchmp.h" nogil:
         int32_t step
         int32_t errnum
 
+    enum:
+        TORCHMP_CHILD_FDS
+        TORCHMP_FD_RETURN
+        TORCHMP_FD_PAYLOAD
+
     ctypedef struct torchmp_spawn_args:
         const char *path
         char *const *argv
         char *const *envp
         const char *cwd
-        int stdout_fd
-        int stderr_fd
-        int keep_fd
+        int child_fds[5]
         int use_vfork
         int pdeathsig
         pid_t parent_pid
         long max_fd
 
     const char *torchmp_step_name(int step)
+    int torchmp_child_setup(const torchmp_spawn_args *a, int keep_fd, int close_others)
 
     ctypedef struct torchmp_needles:
         size_t count
@@ -57,6 +61,7 @@ cdef extern from "torchmp.h" nogil:
         TORCHMP_STREAM_INHERIT
         TORCHMP_STREAM_FILE
         TORCHMP_STREAM_TEE
+        TORCHMP_STREAM_CAPTURE
 
     ctypedef struct torchmp_stream_spec:
         int mode
@@ -69,6 +74,7 @@ cdef extern from "torchmp.h" nogil:
         torchmp_spawn_args args
         torchmp_stream_spec out
         torchmp_stream_spec err
+        torchmp_stream_spec ret
 
     enum:
         TORCHMP_PROC_UNSTARTED
@@ -87,6 +93,7 @@ cdef extern from "torchmp.h" nogil:
         int64_t maxrss_kb
         int out_log_errno
         int err_log_errno
+        int status_lost
 
     ctypedef struct torchmp_group:
         pass
@@ -97,6 +104,10 @@ cdef extern from "torchmp.h" nogil:
                                      const torchmp_needles *out_needles, int filtered_out_fd,
                                      const torchmp_needles *err_needles, int filtered_err_fd)
     int torchmp_group_spawn(torchmp_group *g, torchmp_rank_spec *specs, int count, torchmp_exec_error *err)
+    int torchmp_group_prepare(torchmp_group *g, int rank, torchmp_rank_spec *spec, torchmp_exec_error *err)
+    int torchmp_group_adopt(torchmp_group *g, int rank, pid_t pid, int foreign, torchmp_exec_error *err)
+    int torchmp_group_drop(torchmp_group *g, int rank)
+    char *torchmp_group_take_capture(torchmp_group *g, int rank, size_t *len)
     uint64_t torchmp_group_snapshot(torchmp_group *g, torchmp_proc_info *out, int n)
     int torchmp_group_notify_fd(torchmp_group *g)
     void torchmp_group_drain_notify(torchmp_group *g)

@@ -55,19 +55,26 @@ typedef struct {
     int fd;                    /* pipe read end; -1 when not teed or closed */
     int log_fd;                /* -1: none, or switched off after an error */
     int log_errno;
-    int which;                 /* 0: stdout, 1: stderr */
+    int which;                 /* STREAM_OUT, STREAM_ERR or STREAM_RET */
     char *prefix;
     torchmp_framer framer;
+    /* STREAM_RET: the bytes read so far (mu: Python takes them) */
+    char *capture;
+    size_t capture_len, capture_cap;
+    int capture_errno;
     torchmp_proc *proc;
 } stream;
+
+enum { STREAM_OUT = 0, STREAM_ERR = 1, STREAM_RET = 2, STREAM_COUNT = 3 };
 
 struct torchmp_proc {
     int kind;                  /* WATCH_PROC */
     int rank;
     int pidfd;
+    int foreign;               /* a forkserver's child: exits come as a trailer */
     /* fields below `mu` guards, Python reads them */
     torchmp_proc_info info;
-    stream streams[2];
+    stream streams[STREAM_COUNT];
     torchmp_group *group;
 };
 
@@ -90,13 +97,15 @@ struct torchmp_group {
     torchmp_group *next;
 };
 
-enum cmd_type { CMD_SPAWN = 1, CMD_FINISH = 2, CMD_RELEASE = 3 };
+enum cmd_type { CMD_SPAWN = 1, CMD_FINISH = 2, CMD_RELEASE = 3, CMD_PREPARE = 4, CMD_ADOPT = 5, CMD_DROP = 6 };
 
 typedef struct command {
     int type;
     torchmp_group *group;
     torchmp_rank_spec *specs;
     int count;
+    int rank;                  /* PREPARE, ADOPT, DROP */
+    pid_t pid;                 /* ADOPT */
     torchmp_exec_error err;
     int result;
     int done;
@@ -246,9 +255,37 @@ static torchmp_line_sinks stream_sinks(stream *s)
 /* Console slot for a stream that is not printed at all. */
 static int no_console = -1;
 
-static void stream_consume(stream *s, const char *data, size_t len)
+static void capture_append(torchmp_loop *L, stream *s, const char *data, size_t len)
 {
-    torchmp_line_sinks sinks = stream_sinks(s);
+    pthread_mutex_lock(&L->mu);
+    if (s->capture_errno == 0 && s->capture_len + len > s->capture_cap) {
+        size_t cap = s->capture_cap ? s->capture_cap : 4096;
+        char *grown;
+        while (cap < s->capture_len + len)
+            cap *= 2;
+        grown = realloc(s->capture, cap);
+        if (grown == NULL) {
+            s->capture_errno = ENOMEM; /* reported as a failed return value */
+        } else {
+            s->capture = grown;
+            s->capture_cap = cap;
+        }
+    }
+    if (s->capture_errno == 0) {
+        memcpy(s->capture + s->capture_len, data, len);
+        s->capture_len += len;
+    }
+    pthread_mutex_unlock(&L->mu);
+}
+
+static void stream_consume(torchmp_loop *L, stream *s, const char *data, size_t len)
+{
+    torchmp_line_sinks sinks;
+    if (s->which == STREAM_RET) {
+        capture_append(L, s, data, len);
+        return;
+    }
+    sinks = stream_sinks(s);
     if (s->log_fd >= 0 && torchmp_write_all(s->log_fd, data, len) != 0) {
         /* ENOSPC and friends: keep draining the pipe (the worker must not
          * block) and keep the console going; Python reports log_errno. */
@@ -260,19 +297,31 @@ static void stream_consume(stream *s, const char *data, size_t len)
     (void)torchmp_framer_feed(&s->framer, data, len, &sinks);
 }
 
-static void stream_close(torchmp_loop *L, stream *s)
+static void stream_flush_partial(stream *s)
 {
     torchmp_line_sinks sinks;
-    if (s->fd < 0)
+    if (s->which == STREAM_RET)
         return;
     sinks = stream_sinks(s);
     if (s->prefix == NULL)
         sinks.console_fd = &no_console;
     torchmp_framer_flush(&s->framer, &sinks);
+}
+
+static void proc_foreign_exit(torchmp_loop *L, torchmp_proc *p);
+
+static void stream_close(torchmp_loop *L, stream *s)
+{
+    torchmp_proc *p = s->proc;
+    if (s->fd < 0)
+        return;
+    stream_flush_partial(s);
     (void)torchmp_poller_del(L->poller, s->fd);
     close_fd(&s->fd);
     close_fd(&s->log_fd);
-    s->proc->group->open_streams--;
+    p->group->open_streams--;
+    if (s->which == STREAM_RET && p->foreign && p->info.state == TORCHMP_PROC_RUNNING)
+        proc_foreign_exit(L, p);
 }
 
 /* Read what is there.  limit < 0: until EAGAIN or EOF (at most a few chunks,
@@ -295,7 +344,7 @@ static void stream_pump(torchmp_loop *L, stream *s, long limit)
         }
         n = read(s->fd, L->readbuf, want);
         if (n > 0) {
-            stream_consume(s, L->readbuf, (size_t)n);
+            stream_consume(L, s, L->readbuf, (size_t)n);
             if (limit >= 0)
                 limit -= n;
             continue;
@@ -317,12 +366,8 @@ static void stream_drain_buffered(torchmp_loop *L, stream *s)
     if (ioctl(s->fd, FIONREAD, &avail) != 0)
         avail = READ_CHUNK;
     stream_pump(L, s, avail);
-    if (s->fd >= 0) {
-        torchmp_line_sinks sinks = stream_sinks(s);
-        if (s->prefix == NULL)
-            sinks.console_fd = &no_console;
-        torchmp_framer_flush(&s->framer, &sinks);
-    }
+    if (s->fd >= 0)
+        stream_flush_partial(s);
 }
 
 static void stream_free(stream *s)
@@ -330,6 +375,9 @@ static void stream_free(stream *s)
     torchmp_framer_free(&s->framer);
     free(s->prefix);
     s->prefix = NULL;
+    free(s->capture);
+    s->capture = NULL;
+    s->capture_len = s->capture_cap = 0;
 }
 
 /* ---- exits -------------------------------------------------------------- */
@@ -339,13 +387,48 @@ static void group_notify(torchmp_group *g)
     notify_post(g->notify_w);
 }
 
+static int64_t timeval_ns(struct timeval tv)
+{
+    return (int64_t)tv.tv_sec * 1000000000LL + (int64_t)tv.tv_usec * 1000;
+}
+
+/* Record a rank's exit: first everything the worker wrote before it exited
+ * goes out, then the state flips and Python is woken. */
+static void proc_record_exit(torchmp_loop *L, torchmp_proc *p, int status, int64_t utime_ns, int64_t stime_ns,
+                             int64_t maxrss_kb, int status_lost)
+{
+    int64_t now_mono = clock_ns(CLOCK_MONOTONIC);
+    int64_t now_real = clock_ns(CLOCK_REALTIME);
+
+    for (int w = 0; w < STREAM_COUNT; w++)
+        stream_drain_buffered(L, &p->streams[w]);
+    if (p->pidfd >= 0) {
+        (void)torchmp_poller_del(L->poller, p->pidfd);
+        close_fd(&p->pidfd);
+    }
+    pthread_mutex_lock(&L->mu);
+    p->info.state = TORCHMP_PROC_EXITED;
+    p->info.wait_status = status;
+    p->info.status_lost = status_lost;
+    p->info.exit_mono_ns = now_mono;
+    p->info.exit_real_ns = now_real;
+    p->info.utime_ns = utime_ns;
+    p->info.stime_ns = stime_ns;
+    p->info.maxrss_kb = maxrss_kb;
+    p->info.out_log_errno = p->streams[STREAM_OUT].log_errno;
+    p->info.err_log_errno = p->streams[STREAM_ERR].log_errno;
+    p->group->version++;
+    pthread_mutex_unlock(&L->mu);
+    p->group->running--;
+    group_notify(p->group);
+}
+
 /* Reap pid if it has exited.  Returns 1 when reaped, 0 if still running. */
 static int proc_try_reap(torchmp_loop *L, torchmp_proc *p)
 {
     struct rusage ru;
     int status = 0;
     pid_t r;
-    int64_t now_mono, now_real;
 
     memset(&ru, 0, sizeof(ru));
     do {
@@ -355,43 +438,42 @@ static int proc_try_reap(torchmp_loop *L, torchmp_proc *p)
         return 0;
     if (r < 0) {
         /* ECHILD: somebody else in this process reaped our worker (a
-         * waitpid(-1) elsewhere).  The status is lost; report exit 255. */
-        status = 255 << 8;
+         * waitpid(-1) elsewhere).  The status is lost. */
+        proc_record_exit(L, p, 255 << 8, 0, 0, 0, 1);
+        return 1;
     }
-    now_mono = clock_ns(CLOCK_MONOTONIC);
-    now_real = clock_ns(CLOCK_REALTIME);
-
-    /* Everything the worker wrote before it exited goes out before the exit
-     * is reported. */
-    stream_drain_buffered(L, &p->streams[0]);
-    stream_drain_buffered(L, &p->streams[1]);
-
-    if (p->pidfd >= 0) {
-        (void)torchmp_poller_del(L->poller, p->pidfd);
-        close_fd(&p->pidfd);
-    }
-    pthread_mutex_lock(&L->mu);
-    p->info.state = TORCHMP_PROC_EXITED;
-    p->info.wait_status = status;
-    p->info.exit_mono_ns = now_mono;
-    p->info.exit_real_ns = now_real;
-    p->info.utime_ns = (int64_t)ru.ru_utime.tv_sec * 1000000000LL + (int64_t)ru.ru_utime.tv_usec * 1000;
-    p->info.stime_ns = (int64_t)ru.ru_stime.tv_sec * 1000000000LL + (int64_t)ru.ru_stime.tv_usec * 1000;
-    p->info.maxrss_kb = ru.ru_maxrss;
-    p->info.out_log_errno = p->streams[0].log_errno;
-    p->info.err_log_errno = p->streams[1].log_errno;
-    p->group->version++;
-    pthread_mutex_unlock(&L->mu);
-    p->group->running--;
-    group_notify(p->group);
+    proc_record_exit(L, p, status, timeval_ns(ru.ru_utime), timeval_ns(ru.ru_stime), ru.ru_maxrss, 0);
     return 1;
+}
+
+/* A forkserver worker is not our child: its exit status arrives as a
+ * trailer the forkserver appends to the worker's return channel, and the
+ * channel's EOF is the exit event.  No trailer means the forkserver died. */
+static void proc_foreign_exit(torchmp_loop *L, torchmp_proc *p)
+{
+    stream *s = &p->streams[STREAM_RET];
+    torchmp_exit_trailer t;
+    int found = 0;
+
+    pthread_mutex_lock(&L->mu);
+    if (s->capture_len >= sizeof(t) &&
+        memcmp(s->capture + s->capture_len - sizeof(t), TORCHMP_EXIT_TRAILER_MAGIC, 8) == 0) {
+        memcpy(&t, s->capture + s->capture_len - sizeof(t), sizeof(t));
+        s->capture_len -= sizeof(t);
+        found = 1;
+    }
+    pthread_mutex_unlock(&L->mu);
+    if (found)
+        proc_record_exit(L, p, (int)t.wait_status, t.utime_ns, t.stime_ns, t.maxrss_kb, 0);
+    else
+        proc_record_exit(L, p, SIGKILL, 0, 0, 0, 1);
 }
 
 static void reap_scan(torchmp_loop *L)
 {
     for (torchmp_group *g = L->groups; g != NULL; g = g->next) {
         for (int i = 0; i < g->nprocs && g->running > 0; i++) {
-            if (g->procs[i].info.state == TORCHMP_PROC_RUNNING)
+            if (g->procs[i].info.state == TORCHMP_PROC_RUNNING && !g->procs[i].foreign)
                 (void)proc_try_reap(L, &g->procs[i]);
         }
     }
@@ -410,25 +492,27 @@ static int stream_open(torchmp_loop *L, torchmp_proc *p, int which, const torchm
         *child_fd = spec->fd;
         return 0;
     }
-    if (spec->mode != TORCHMP_STREAM_TEE)
+    if (spec->mode != TORCHMP_STREAM_TEE && spec->mode != TORCHMP_STREAM_CAPTURE)
         return 0;
 
     if (pipe2(pfd, O_CLOEXEC) != 0)
         return -1;
     if (fcntl(pfd[0], F_SETFL, O_NONBLOCK) != 0)
         goto fail;
-    if (spec->fd >= 0) {
-        s->log_fd = fcntl(spec->fd, F_DUPFD_CLOEXEC, 3);
-        if (s->log_fd < 0)
-            goto fail;
-    }
-    if (spec->console == 1 || spec->console == 2) {
-        s->prefix = malloc(spec->prefix_len + 1);
-        if (s->prefix == NULL)
-            goto fail;
-        memcpy(s->prefix, spec->prefix, spec->prefix_len);
-        s->prefix[spec->prefix_len] = '\0';
-        torchmp_framer_init(&s->framer, s->prefix, spec->prefix_len, MAX_LINE);
+    if (spec->mode == TORCHMP_STREAM_TEE) {
+        if (spec->fd >= 0) {
+            s->log_fd = fcntl(spec->fd, F_DUPFD_CLOEXEC, 3);
+            if (s->log_fd < 0)
+                goto fail;
+        }
+        if (spec->console == 1 || spec->console == 2) {
+            s->prefix = malloc(spec->prefix_len + 1);
+            if (s->prefix == NULL)
+                goto fail;
+            memcpy(s->prefix, spec->prefix, spec->prefix_len);
+            s->prefix[spec->prefix_len] = '\0';
+            torchmp_framer_init(&s->framer, s->prefix, spec->prefix_len, MAX_LINE);
+        }
     }
     if (torchmp_poller_add(L->poller, pfd[0], s) != 0)
         goto fail;
@@ -449,28 +533,102 @@ fail:
     }
 }
 
+static const torchmp_stream_spec *rank_stream_spec(const torchmp_rank_spec *spec, int which)
+{
+    return which == STREAM_OUT ? &spec->out : which == STREAM_ERR ? &spec->err : &spec->ret;
+}
+
+/* The launcher's copies of the pipe ends the worker writes to. */
+static void rank_child_ends_close(const torchmp_rank_spec *spec, int *child_fds)
+{
+    for (int w = 0; w < STREAM_COUNT; w++) {
+        int mode = rank_stream_spec(spec, w)->mode;
+        if (mode == TORCHMP_STREAM_TEE || mode == TORCHMP_STREAM_CAPTURE)
+            close_fd(&child_fds[1 + w]);
+    }
+}
+
+static void rank_streams_abort(torchmp_loop *L, torchmp_proc *p)
+{
+    for (int w = 0; w < STREAM_COUNT; w++) {
+        stream_close(L, &p->streams[w]);
+        stream_free(&p->streams[w]);
+    }
+}
+
+/* Open stdout, stderr and the return channel of a rank on the loop side and
+ * put the worker's ends in child_fds[1..3]. */
+static int rank_streams_open(torchmp_loop *L, torchmp_proc *p, const torchmp_rank_spec *spec, int *child_fds,
+                             torchmp_exec_error *err)
+{
+    for (int w = 0; w < STREAM_COUNT; w++) {
+        if (stream_open(L, p, w, rank_stream_spec(spec, w), &child_fds[1 + w]) != 0) {
+            err->step = TORCHMP_STEP_STREAM;
+            err->errnum = errno;
+            rank_child_ends_close(spec, child_fds);
+            rank_streams_abort(L, p);
+            errno = err->errnum;
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Start watching a forked worker.  On failure the worker is killed and
+ * reaped, and the rank's streams are closed. */
+static int rank_adopt(torchmp_loop *L, torchmp_proc *p, pid_t pid, int foreign, int64_t start,
+                      torchmp_exec_error *err)
+{
+    p->foreign = foreign;
+    if (foreign && p->streams[STREAM_RET].fd < 0) {
+        /* Without a return channel there would be no exit event. */
+        err->step = TORCHMP_STEP_STREAM;
+        err->errnum = EINVAL;
+        errno = EINVAL;
+        return -1;
+    }
+#ifdef TORCHMP_HAVE_PIDFD
+    if (L->backend == TORCHMP_BACKEND_EPOLL && !foreign) {
+        p->pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
+        if (p->pidfd < 0 || torchmp_poller_add(L->poller, p->pidfd, p) != 0) {
+            int status;
+            err->step = TORCHMP_STEP_PIDFD;
+            err->errnum = errno;
+            close_fd(&p->pidfd);
+            kill(pid, SIGKILL);
+            while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
+                ;
+            rank_streams_abort(L, p);
+            errno = err->errnum;
+            return -1;
+        }
+    }
+#endif
+    pthread_mutex_lock(&L->mu);
+    p->info.pid = pid;
+    p->info.state = TORCHMP_PROC_RUNNING;
+    p->info.start_mono_ns = start;
+    pthread_mutex_unlock(&L->mu);
+    p->group->running++;
+    return 0;
+}
+
 static int do_spawn_one(torchmp_loop *L, torchmp_group *g, int rank, torchmp_rank_spec *spec,
                         torchmp_exec_error *err)
 {
     torchmp_proc *p = &g->procs[rank];
     torchmp_spawn_args a = spec->args;
-    int out_w = -1, err_w = -1;
     pid_t pid;
     int64_t start;
     int rc;
 
-    if (stream_open(L, p, 0, &spec->out, &out_w) != 0 || stream_open(L, p, 1, &spec->err, &err_w) != 0) {
-        err->step = TORCHMP_STEP_STREAM;
-        err->errnum = errno;
-        if (spec->out.mode == TORCHMP_STREAM_TEE)
-            close_fd(&out_w);
-        stream_close(L, &p->streams[0]);
-        stream_free(&p->streams[0]);
+    if (p->info.state != TORCHMP_PROC_UNSTARTED) {
+        err->step = TORCHMP_STEP_FORK;
+        err->errnum = EBUSY;
         return -1;
     }
-
-    a.stdout_fd = out_w;
-    a.stderr_fd = err_w;
+    if (rank_streams_open(L, p, spec, a.child_fds, err) != 0)
+        return -1;
     a.use_vfork = L->use_vfork;
     a.parent_pid = L->owner_pid;
     a.max_fd = L->max_fd;
@@ -482,45 +640,12 @@ static int do_spawn_one(torchmp_loop *L, torchmp_group *g, int rank, torchmp_ran
 
     start = clock_ns(CLOCK_MONOTONIC);
     rc = torchmp_spawn(&a, &pid, err);
-    if (spec->out.mode == TORCHMP_STREAM_TEE)
-        close_fd(&out_w);
-    if (spec->err.mode == TORCHMP_STREAM_TEE)
-        close_fd(&err_w);
+    rank_child_ends_close(spec, a.child_fds);
     if (rc != 0) {
-        for (int i = 0; i < 2; i++) {
-            stream_close(L, &p->streams[i]);
-            stream_free(&p->streams[i]);
-        }
+        rank_streams_abort(L, p);
         return -1;
     }
-
-#ifdef TORCHMP_HAVE_PIDFD
-    if (L->backend == TORCHMP_BACKEND_EPOLL) {
-        p->pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
-        if (p->pidfd < 0 || torchmp_poller_add(L->poller, p->pidfd, p) != 0) {
-            int status;
-            err->step = TORCHMP_STEP_PIDFD;
-            err->errnum = errno;
-            close_fd(&p->pidfd);
-            kill(pid, SIGKILL);
-            while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
-                ;
-            for (int i = 0; i < 2; i++) {
-                stream_close(L, &p->streams[i]);
-                stream_free(&p->streams[i]);
-            }
-            return -1;
-        }
-    }
-#endif
-
-    pthread_mutex_lock(&L->mu);
-    p->info.pid = pid;
-    p->info.state = TORCHMP_PROC_RUNNING;
-    p->info.start_mono_ns = start;
-    pthread_mutex_unlock(&L->mu);
-    g->running++;
-    return 0;
+    return rank_adopt(L, p, pid, 0, start, err);
 }
 
 static void group_link(torchmp_loop *L, torchmp_group *g)
@@ -545,7 +670,7 @@ static int do_spawn(torchmp_loop *L, command *c)
 static void do_finish(torchmp_loop *L, torchmp_group *g)
 {
     for (int i = 0; i < g->nprocs; i++) {
-        for (int w = 0; w < 2; w++) {
+        for (int w = 0; w < STREAM_COUNT; w++) {
             stream *s = &g->procs[i].streams[w];
             if (s->fd >= 0) {
                 stream_drain_buffered(L, s);
@@ -597,7 +722,7 @@ static void group_free(torchmp_group *g)
     for (int i = 0; i < g->nprocs; i++) {
         torchmp_proc *p = &g->procs[i];
         close_fd(&p->pidfd);
-        for (int w = 0; w < 2; w++) {
+        for (int w = 0; w < STREAM_COUNT; w++) {
             close_fd(&p->streams[w].fd);
             close_fd(&p->streams[w].log_fd);
             stream_free(&p->streams[w]);
@@ -652,6 +777,19 @@ static void run_commands(torchmp_loop *L)
             break;
         case CMD_FINISH:
             do_finish(L, c->group);
+            c->result = 0;
+            break;
+        case CMD_PREPARE:
+            group_link(L, c->group);
+            c->result = rank_streams_open(L, &c->group->procs[c->rank], c->specs, c->specs->args.child_fds,
+                                          &c->err);
+            break;
+        case CMD_ADOPT:
+            c->result = rank_adopt(L, &c->group->procs[c->rank], c->pid, c->count, clock_ns(CLOCK_MONOTONIC),
+                                   &c->err);
+            break;
+        case CMD_DROP:
+            rank_streams_abort(L, &c->group->procs[c->rank]);
             c->result = 0;
             break;
         case CMD_RELEASE:
@@ -885,7 +1023,7 @@ torchmp_group *torchmp_group_new(int nprocs,
         p->pidfd = -1;
         p->group = g;
         p->info.state = TORCHMP_PROC_UNSTARTED;
-        for (int w = 0; w < 2; w++) {
+        for (int w = 0; w < STREAM_COUNT; w++) {
             p->streams[w].kind = WATCH_STREAM;
             p->streams[w].fd = -1;
             p->streams[w].log_fd = -1;
@@ -948,6 +1086,76 @@ int torchmp_group_spawn(torchmp_group *g, torchmp_rank_spec *specs, int count, t
     submit(L, &c, 1);
     *err = c.err;
     return c.result;
+}
+
+static int rank_command(torchmp_group *g, int type, int rank, torchmp_rank_spec *spec, pid_t pid, int flag,
+                        torchmp_exec_error *err)
+{
+    command c;
+    if (!group_is_ours(g))
+        return -1;
+    if (rank < 0 || rank >= g->nprocs) {
+        errno = EINVAL;
+        return -1;
+    }
+    memset(&c, 0, sizeof(c));
+    c.type = type;
+    c.group = g;
+    c.rank = rank;
+    c.specs = spec;
+    c.pid = pid;
+    c.count = flag;
+    submit(g->loop, &c, 1);
+    if (err != NULL)
+        *err = c.err;
+    if (c.result != 0)
+        errno = c.err.errnum;
+    return c.result;
+}
+
+int torchmp_group_prepare(torchmp_group *g, int rank, torchmp_rank_spec *spec, torchmp_exec_error *err)
+{
+    if (g->procs[rank].info.state != TORCHMP_PROC_UNSTARTED) {
+        errno = EBUSY;
+        return -1;
+    }
+    return rank_command(g, CMD_PREPARE, rank, spec, 0, 0, err);
+}
+
+int torchmp_group_adopt(torchmp_group *g, int rank, pid_t pid, int foreign, torchmp_exec_error *err)
+{
+    return rank_command(g, CMD_ADOPT, rank, NULL, pid, foreign, err);
+}
+
+int torchmp_group_drop(torchmp_group *g, int rank)
+{
+    return rank_command(g, CMD_DROP, rank, NULL, 0, 0, NULL);
+}
+
+char *torchmp_group_take_capture(torchmp_group *g, int rank, size_t *len)
+{
+    torchmp_loop *L = g->loop;
+    stream *s;
+    char *data;
+    *len = 0;
+    if (rank < 0 || rank >= g->nprocs) {
+        errno = EINVAL;
+        return NULL;
+    }
+    s = &g->procs[rank].streams[STREAM_RET];
+    pthread_mutex_lock(&L->mu);
+    if (s->capture_errno != 0) {
+        errno = s->capture_errno;
+        pthread_mutex_unlock(&L->mu);
+        return NULL;
+    }
+    data = s->capture;
+    *len = s->capture_len;
+    s->capture = NULL;
+    s->capture_len = s->capture_cap = 0;
+    pthread_mutex_unlock(&L->mu);
+    errno = 0;
+    return data;
 }
 
 uint64_t torchmp_group_snapshot(torchmp_group *g, torchmp_proc_info *out, int n)

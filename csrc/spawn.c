@@ -43,6 +43,7 @@ static const char *const step_names[TORCHMP_STEP__COUNT] = {
     [TORCHMP_STEP_CHDIR] = "chdir",
     [TORCHMP_STEP_PIDFD] = "pidfd_open",
     [TORCHMP_STEP_STREAM] = "creating the tee pipe",
+    [TORCHMP_STEP_DUP_FD] = "dup2 of the return channel or payload",
 };
 
 const char *torchmp_step_name(int step)
@@ -75,30 +76,21 @@ __attribute__((noreturn)) static void child_fail(int errpipe, int step, int errn
     _exit(127);
 }
 
-/* Close every fd >= 3 except keep_a and keep_b (either may be -1). */
-static int child_close_fds(int keep_a, int keep_b, long max_fd)
+/* Close every fd >= lowest except keep (which may be -1). */
+static int child_close_fds(int lowest, int keep, long max_fd)
 {
-    int lo = keep_a < keep_b ? keep_a : keep_b;
-    int hi = keep_a < keep_b ? keep_b : keep_a;
-    int keep[2];
-    int nkeep = 0;
-
-    if (lo >= 3)
-        keep[nkeep++] = lo;
-    if (hi >= 3 && hi != lo)
-        keep[nkeep++] = hi;
-
 #ifdef TORCHMP_HAVE_CLOSE_RANGE
     {
-        unsigned int start = 3;
-        int ok = 1;
-        for (int i = 0; i < nkeep && ok; i++) {
-            if ((unsigned int)keep[i] > start &&
-                syscall(SYS_close_range, start, (unsigned int)keep[i] - 1, 0) != 0)
-                ok = 0;
-            start = (unsigned int)keep[i] + 1;
+        int rc = 0;
+        if (keep >= lowest) {
+            if (keep > lowest)
+                rc = (int)syscall(SYS_close_range, (unsigned int)lowest, (unsigned int)keep - 1, 0);
+            if (rc == 0)
+                rc = (int)syscall(SYS_close_range, (unsigned int)keep + 1, ~0U, 0);
+        } else {
+            rc = (int)syscall(SYS_close_range, (unsigned int)lowest, ~0U, 0);
         }
-        if (ok && syscall(SYS_close_range, start, ~0U, 0) == 0)
+        if (rc == 0)
             return 0;
         if (errno != ENOSYS && errno != EINVAL)
             return -1;
@@ -126,7 +118,7 @@ static int child_close_fds(int keep_a, int keep_b, long max_fd)
                     if (name[0] >= '0' && name[0] <= '9') {
                         for (const char *c = name; *c >= '0' && *c <= '9'; c++)
                             fd = fd * 10 + (*c - '0');
-                        if (fd >= 3 && fd != dirfd && fd != keep_a && fd != keep_b)
+                        if (fd >= lowest && fd != dirfd && fd != keep)
                             close(fd);
                     }
                     off += reclen;
@@ -139,19 +131,66 @@ static int child_close_fds(int keep_a, int keep_b, long max_fd)
     }
 #endif
 
-    for (long fd = 3; fd < max_fd; fd++) {
-        if (fd != keep_a && fd != keep_b)
+    for (long fd = lowest; fd < max_fd; fd++) {
+        if (fd != keep)
             close((int)fd);
+    }
+    return 0;
+}
+
+int torchmp_child_setup(const torchmp_spawn_args *a, int keep_fd, int close_others)
+{
+    int src[TORCHMP_CHILD_FDS];
+
+    if (setsid() < 0)
+        return TORCHMP_STEP_SETSID;
+
+#ifdef TORCHMP_HAVE_PDEATHSIG
+    if (a->pdeathsig > 0) {
+        if (prctl(PR_SET_PDEATHSIG, a->pdeathsig, 0, 0, 0) != 0)
+            return TORCHMP_STEP_PDEATHSIG;
+        /* The launcher may have died before prctl took effect: then nobody
+         * would ever send the signal, so act on it now. */
+        if (getppid() != a->parent_pid)
+            _exit(128 + a->pdeathsig);
+    }
+#endif
+
+    if (a->cwd != NULL && chdir(a->cwd) != 0)
+        return TORCHMP_STEP_CHDIR;
+
+    /* A source inside the target range could be clobbered by another
+     * target's dup2: move it above the range first. */
+    for (int i = 0; i < TORCHMP_CHILD_FDS; i++) {
+        src[i] = a->child_fds[i];
+        if (src[i] >= 0 && src[i] < TORCHMP_CHILD_FDS) {
+            src[i] = fcntl(src[i], F_DUPFD_CLOEXEC, TORCHMP_CHILD_FDS);
+            if (src[i] < 0)
+                return i == 1 ? TORCHMP_STEP_DUP_STDOUT : i == 2 ? TORCHMP_STEP_DUP_STDERR : TORCHMP_STEP_DUP_FD;
+        }
+    }
+    for (int i = 0; i < TORCHMP_CHILD_FDS; i++) {
+        /* dup2 clears FD_CLOEXEC on the target: the worker keeps it. */
+        if (src[i] >= 0 && dup2(src[i], i) < 0)
+            return i == 1 ? TORCHMP_STEP_DUP_STDOUT : i == 2 ? TORCHMP_STEP_DUP_STDERR : TORCHMP_STEP_DUP_FD;
+    }
+    if (close_others) {
+        /* Slots 3.. of the plan that were not asked for are closed too. */
+        for (int i = 3; i < TORCHMP_CHILD_FDS; i++) {
+            if (src[i] < 0)
+                close(i);
+        }
+        if (child_close_fds(TORCHMP_CHILD_FDS, keep_fd, a->max_fd) != 0)
+            return TORCHMP_STEP_CLOSE_FDS;
     }
     return 0;
 }
 
 __attribute__((noreturn, noinline)) static void child_exec(const torchmp_spawn_args *a, int errpipe)
 {
-    int out = a->stdout_fd;
-    int err = a->stderr_fd;
     sigset_t empty;
     struct sigaction dfl;
+    int step;
 
     /* Signals are blocked in the caller across fork.  A handler left armed
      * here could run in a vfork child on the parent's memory once we unblock,
@@ -174,46 +213,9 @@ __attribute__((noreturn, noinline)) static void child_exec(const torchmp_spawn_a
             child_fail(errpipe, TORCHMP_STEP_SIGNALS, errno);
     }
 
-    if (setsid() < 0)
-        child_fail(errpipe, TORCHMP_STEP_SETSID, errno);
-
-#ifdef TORCHMP_HAVE_PDEATHSIG
-    if (a->pdeathsig > 0) {
-        if (prctl(PR_SET_PDEATHSIG, a->pdeathsig, 0, 0, 0) != 0)
-            child_fail(errpipe, TORCHMP_STEP_PDEATHSIG, errno);
-        /* The launcher may have died before prctl took effect: then nobody
-         * would ever send the signal, so act on it now. */
-        if (getppid() != a->parent_pid)
-            _exit(128 + a->pdeathsig);
-    }
-#endif
-
-    if (a->cwd != NULL && chdir(a->cwd) != 0)
-        child_fail(errpipe, TORCHMP_STEP_CHDIR, errno);
-
-    /* A source in 0..2 could be clobbered by the other dup2: move it up. */
-    if (out >= 0 && out < 3) {
-        out = fcntl(out, F_DUPFD_CLOEXEC, 3);
-        if (out < 0)
-            child_fail(errpipe, TORCHMP_STEP_DUP_STDOUT, errno);
-    }
-    if (err >= 0 && err < 3) {
-        err = fcntl(err, F_DUPFD_CLOEXEC, 3);
-        if (err < 0)
-            child_fail(errpipe, TORCHMP_STEP_DUP_STDERR, errno);
-    }
-    if (out >= 0 && dup2(out, 1) < 0)
-        child_fail(errpipe, TORCHMP_STEP_DUP_STDOUT, errno);
-    if (err >= 0 && dup2(err, 2) < 0)
-        child_fail(errpipe, TORCHMP_STEP_DUP_STDERR, errno);
-
-    if (a->keep_fd >= 3) {
-        int flags = fcntl(a->keep_fd, F_GETFD);
-        if (flags < 0 || fcntl(a->keep_fd, F_SETFD, flags & ~FD_CLOEXEC) < 0)
-            child_fail(errpipe, TORCHMP_STEP_CLOSE_FDS, errno);
-    }
-    if (child_close_fds(errpipe, a->keep_fd, a->max_fd) != 0)
-        child_fail(errpipe, TORCHMP_STEP_CLOSE_FDS, errno);
+    step = torchmp_child_setup(a, errpipe, 1);
+    if (step != 0)
+        child_fail(errpipe, step, errno);
 
     sigemptyset(&empty);
     if (sigprocmask(SIG_SETMASK, &empty, NULL) != 0)
@@ -225,13 +227,13 @@ __attribute__((noreturn, noinline)) static void child_exec(const torchmp_spawn_a
 
 /* ---- parent side -------------------------------------------------------- */
 
-/* Move fd to >= 3 so the child's dup2 onto 0..2 cannot clobber it. */
+/* Move fd above the child's fd plan so no dup2 in the child can clobber it. */
 static int fd_above_stdio(int fd)
 {
     int moved;
-    if (fd >= 3)
+    if (fd >= TORCHMP_CHILD_FDS)
         return fd;
-    moved = fcntl(fd, F_DUPFD_CLOEXEC, 3);
+    moved = fcntl(fd, F_DUPFD_CLOEXEC, TORCHMP_CHILD_FDS);
     if (moved < 0)
         return -1;
     close(fd);

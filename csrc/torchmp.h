@@ -52,6 +52,7 @@ enum torchmp_spawn_step {
     TORCHMP_STEP_CHDIR = 11,
     TORCHMP_STEP_PIDFD = 12,      /* parent: pidfd_open after a good exec */
     TORCHMP_STEP_STREAM = 13,     /* parent: tee pipe for the worker */
+    TORCHMP_STEP_DUP_FD = 14,     /* child: dup2 of the return/payload fds */
     TORCHMP_STEP__COUNT
 };
 
@@ -61,14 +62,20 @@ typedef struct {
     int32_t errnum;
 } torchmp_exec_error;
 
+/* The fds a worker starts with: 0..2 are stdio, 3 the return channel of a
+ * function worker, 4 its payload.  Everything else is closed. */
+#define TORCHMP_CHILD_FDS 5
+#define TORCHMP_FD_RETURN 3
+#define TORCHMP_FD_PAYLOAD 4
+
 typedef struct {
     const char *path;          /* resolved executable (PATH lookup done by the caller) */
     char *const *argv;         /* NULL-terminated, built before fork */
     char *const *envp;         /* NULL-terminated, built before fork */
     const char *cwd;           /* NULL: inherit */
-    int stdout_fd;             /* -1: inherit the launcher's fd 1 */
-    int stderr_fd;             /* -1: inherit the launcher's fd 2 */
-    int keep_fd;               /* one extra fd the worker keeps at the same number, or -1 */
+    /* child_fds[i]: the launcher fd that becomes fd i in the worker; -1 means
+     * inherit for 0..2 and closed for the others. */
+    int child_fds[TORCHMP_CHILD_FDS];
     int use_vfork;             /* safe only when every signal is blocked in the caller */
     int pdeathsig;             /* 0: none */
     pid_t parent_pid;          /* getpid() of the launcher, for the PDEATHSIG race check */
@@ -82,6 +89,12 @@ int torchmp_spawn(const torchmp_spawn_args *args, pid_t *pid_out, torchmp_exec_e
 
 /* Human-readable name of a spawn step, for exception messages. */
 const char *torchmp_step_name(int step);
+
+/* The part of the child's work that a fork()ed function worker shares with
+ * an exec'd one: new session, parent-death signal (with the parent-died
+ * race checked), fd plan, close the rest.  Returns the failing step (errno
+ * set) or 0.  Async-signal-safe. */
+int torchmp_child_setup(const torchmp_spawn_args *a, int keep_fd, int close_others);
 
 /* ---------------------------------------------------------------------------
  * framer.c: console line framing for one stream.
@@ -157,7 +170,8 @@ typedef struct torchmp_group torchmp_group;
 enum torchmp_stream_mode {
     TORCHMP_STREAM_INHERIT = 0,    /* the launcher's own fd */
     TORCHMP_STREAM_FILE = 1,       /* dup2 of an open file: no loop involvement */
-    TORCHMP_STREAM_TEE = 2         /* a pipe drained by the loop into log + console */
+    TORCHMP_STREAM_TEE = 2,        /* a pipe drained by the loop into log + console */
+    TORCHMP_STREAM_CAPTURE = 3     /* a pipe drained by the loop into memory (return values) */
 };
 
 typedef struct {
@@ -169,9 +183,10 @@ typedef struct {
 } torchmp_stream_spec;
 
 typedef struct {
-    torchmp_spawn_args args;   /* stdout_fd/stderr_fd are filled in by the loop */
+    torchmp_spawn_args args;   /* child_fds[1..3] are filled in by the loop */
     torchmp_stream_spec out;
     torchmp_stream_spec err;
+    torchmp_stream_spec ret;   /* CAPTURE or INHERIT (none) */
 } torchmp_rank_spec;
 
 enum torchmp_proc_state {
@@ -193,6 +208,7 @@ typedef struct {
     int64_t maxrss_kb;
     int out_log_errno;         /* first failure writing the log file, 0 if none */
     int err_log_errno;
+    int status_lost;           /* reaped elsewhere, or its forkserver died */
 } torchmp_proc_info;
 
 /* Which backend the process-wide loop uses (starting it if needed), or -1. */
@@ -208,6 +224,28 @@ torchmp_group *torchmp_group_new(int nprocs,
  * a failure at rank k returns k with *err filled.  -1 with errno if the loop
  * could not take the request at all. */
 int torchmp_group_spawn(torchmp_group *g, torchmp_rank_spec *specs, int count, torchmp_exec_error *err);
+
+/* Fork-from-Python support: set up rank's pipes on the loop and return the
+ * child-side fds in spec->args.child_fds (the caller closes them after its
+ * fork); then adopt the forked pid, or drop the rank if the fork failed. */
+int torchmp_group_prepare(torchmp_group *g, int rank, torchmp_rank_spec *spec, torchmp_exec_error *err);
+int torchmp_group_adopt(torchmp_group *g, int rank, pid_t pid, int foreign, torchmp_exec_error *err);
+
+/* The record a forkserver appends to a worker's return channel once it has
+ * reaped the worker (the worker is its child, not ours). */
+#define TORCHMP_EXIT_TRAILER_MAGIC "tmpEXIT1"
+typedef struct {
+    char magic[8];
+    int64_t wait_status;
+    int64_t utime_ns;
+    int64_t stime_ns;
+    int64_t maxrss_kb;
+} torchmp_exit_trailer;
+int torchmp_group_drop(torchmp_group *g, int rank);
+
+/* Take the bytes a rank wrote to its return channel (malloc'ed; the caller
+ * frees).  *len = 0 and NULL when there are none. */
+char *torchmp_group_take_capture(torchmp_group *g, int rank, size_t *len);
 
 /* Copy the per-rank state; returns the group's change counter. */
 uint64_t torchmp_group_snapshot(torchmp_group *g, torchmp_proc_info *out, int n);

@@ -11,7 +11,16 @@ the tee multiplexer, reaping) in one native I/O thread.
 >>> ctx.wait().is_failed()
 False
 >>> ctx.close()
+
+The public names are loaded on first use, so a spawned function worker
+(which imports ``torchmp._worker``) starts about as fast as a bare
+interpreter.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from torchmp._version import __version__
 
@@ -30,42 +39,51 @@ if _core.__version__ != __version__:  # pragma: no cover - exercised by packagin
         "python setup.py build_ext --inplace for a source checkout)."
     )
 
-from torchmp.api import (  # noqa: E402
-    DefaultLogsSpecs,
-    LogsDest,
-    LogsSpecs,
-    PContext,
-    ResourceUsage,
-    RunProcsResult,
-    SignalException,
-    Std,
-    SubprocessContext,
-    start_processes,
-    to_map,
-)
-from torchmp.errors import ProcessFailure  # noqa: E402
+_EXPORTS = {
+    "DefaultLogsSpecs": "torchmp.api",
+    "LogsDest": "torchmp.api",
+    "LogsSpecs": "torchmp.api",
+    "PContext": "torchmp.api",
+    "ResourceUsage": "torchmp.api",
+    "RunProcsResult": "torchmp.api",
+    "SignalException": "torchmp.api",
+    "Std": "torchmp.api",
+    "SubprocessContext": "torchmp.api",
+    "start_processes": "torchmp.api",
+    "to_map": "torchmp.api",
+    "MultiprocessContext": "torchmp._functions",
+    "ProcessFailure": "torchmp.errors",
+}
 
-__all__ = [
-    "DefaultLogsSpecs",
-    "LogsDest",
-    "LogsSpecs",
-    "MultiprocessContext",
-    "PContext",
-    "ProcessFailure",
-    "ResourceUsage",
-    "RunProcsResult",
-    "SignalException",
-    "Std",
-    "SubprocessContext",
-    "__version__",
-    "start_processes",
-    "to_map",
-]
+__all__ = sorted(_EXPORTS) + ["__version__"]
 
 
-def __getattr__(name: str) -> object:
-    if name == "MultiprocessContext":
-        from torchmp.api import MultiprocessContext
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torchmp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
-        return MultiprocessContext
-    raise AttributeError(f"module 'torchmp' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:
+    from torchmp._functions import MultiprocessContext
+    from torchmp.api import (
+        DefaultLogsSpecs,
+        LogsDest,
+        LogsSpecs,
+        PContext,
+        ResourceUsage,
+        RunProcsResult,
+        SignalException,
+        Std,
+        SubprocessContext,
+        start_processes,
+        to_map,
+    )
+    from torchmp.errors import ProcessFailure

@@ -409,19 +409,33 @@ def _exitcode(wait_status: int) -> int:
 # The native contexts.
 
 
+_NO_STREAM = (_core.STREAM_INHERIT, -1, -1, None)
+_CAPTURE = (_core.STREAM_CAPTURE, -1, -1, None)
+
+
 @dataclass
-class _LaunchPlan:
-    """One rank, ready for the native core (everything but the fds)."""
+class _ExecPlan:
+    """One rank of an exec launch, ready for the native core (but its fds)."""
 
     path: bytes
     argv: list[bytes]
     envp: list[bytes]
-    keep_fd: int = -1
+    capture_return: bool = False
+    payload_fd: int = -1
+
+
+def _exec_env(rank: int, overrides: Mapping[Any, Any]) -> list[bytes]:
+    """The launcher's environment with envs[rank] on top, as envp entries."""
+    env = dict(os.environb)
+    for key, value in overrides.items():
+        kb, vb = _encode_env_item(rank, key, value)
+        env[kb] = vb
+    return [k + b"=" + v for k, v in env.items()]
 
 
 class _NativeContext(PContext):
     """A PContext whose workers the native I/O thread starts, watches and
-    reaps.  Subclasses only say what each rank runs (``_launch_plans``)."""
+    reaps.  Subclasses only say how each rank is started (``_launch``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -433,13 +447,38 @@ class _NativeContext(PContext):
         # The last snapshot, kept once close() has released the native group.
         self._final: tuple[int, list[tuple[Any, ...]]] | None = None
 
-    # -- what to run (subclass) ------------------------------------------
+    # -- how to start (subclass) ------------------------------------------
     @abc.abstractmethod
-    def _launch_plans(self) -> list[_LaunchPlan]:
+    def _launch(self, group: Any, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
+        """Start every rank in ``group``; ``streams[rank]`` is its (stdout,
+        stderr) plan for the native core."""
         raise NotImplementedError
+
+    def _spawn(self, group: Any, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]],
+               plans: list[_ExecPlan]) -> None:
+        """Exec-launch every rank from the I/O thread.  If rank k cannot be
+        started, ranks < k are killed and reaped and the OSError raised."""
+        specs = [
+            (plan.path, plan.argv, plan.envp, out, err, _CAPTURE if plan.capture_return else _NO_STREAM,
+             plan.payload_fd)
+            for plan, (out, err) in zip(plans, streams)
+        ]
+        try:
+            group.spawn(specs)
+        except _core.SpawnError as e:
+            logger.error("failed to start local rank %s of %s: %s", e.rank, self.name, e)
+            self._close(signal.SIGKILL, timeout=KILL_GRACE_SECONDS)
+            raise e.cause from None
 
     def _return_values(self, exited_ok: list[int]) -> dict[int, Any]:
         return dict.fromkeys(range(self.nprocs))
+
+    def _before_release(self, group: Any) -> None:
+        """Last chance to take what the native group holds (return values)."""
+
+    def _lost_status_reason(self, rank: int) -> str:
+        return ("its exit status was lost: another part of this process reaped it "
+                "(a waitpid(-1) or SIGCHLD handler outside torchmp)")
 
     # -- start ------------------------------------------------------------
     def _prefix(self, rank: int) -> bytes:
@@ -464,7 +503,6 @@ class _NativeContext(PContext):
     def _start(self) -> None:
         if self._group is not None:
             raise ValueError("The workers are already started. Most likely start() got called twice.")
-        plans = self._launch_plans()
         opened: list[int] = []
         try:
             filtered = []
@@ -478,18 +516,12 @@ class _NativeContext(PContext):
                     filtered.append(([os.fsencode(f) for f in filters], fd))
                 else:
                     filtered.append((None, -1))
-            specs = []
-            for rank, plan in enumerate(plans):
-                out = self._stream_spec(rank, 0, opened)
-                err = self._stream_spec(rank, 1, opened)
-                specs.append((plan.path, plan.argv, plan.envp, out, err, plan.keep_fd))
+            streams = [
+                (self._stream_spec(rank, 0, opened), self._stream_spec(rank, 1, opened))
+                for rank in range(self.nprocs)
+            ]
             self._group = _core.Group(self.nprocs, filtered[0][0], filtered[0][1], filtered[1][0], filtered[1][1])
-            try:
-                self._group.spawn(specs)
-            except _core.SpawnError as e:
-                logger.error("failed to start local rank %s of %s: %s", e.rank, self.name, e)
-                self._close(signal.SIGKILL, timeout=KILL_GRACE_SECONDS)
-                raise e.cause from None
+            self._launch(self._group, streams)
         finally:
             for fd in opened:
                 os.close(fd)
@@ -533,7 +565,8 @@ class _NativeContext(PContext):
         resources: dict[int, ResourceUsage] = {}
         exited_ok: list[int] = []
         for rank, info in enumerate(ranks):
-            state, pid, status, start_ns, exit_ns, exit_real_ns, utime, stime, maxrss, out_err, err_err = info
+            (state, pid, status, start_ns, exit_ns, exit_real_ns, utime, stime, maxrss, out_err, err_err,
+             status_lost) = info
             if state != _core.PROC_EXITED:
                 continue
             code = _exitcode(status)
@@ -559,6 +592,11 @@ class _NativeContext(PContext):
                     timestamp_ns=exit_real_ns,
                     terminated_by_launcher=rank in self._terminated_by_launcher,
                 )
+                if status_lost:
+                    why = self._lost_status_reason(rank)
+                    logger.error("local rank %s (pid %s): %s", rank, pid, why)
+                    if failures[rank].error_file_data.get("message") in (None, "<NONE>"):
+                        failures[rank].message = why
             else:
                 exited_ok.append(rank)
         result = RunProcsResult(
@@ -639,6 +677,7 @@ class _NativeContext(PContext):
         # Free the native side now (fds included) rather than whenever the
         # garbage collector gets to this object.
         self._final = group.snapshot()
+        self._before_release(group)
         group.release()
         self._closed = True
 
@@ -679,18 +718,13 @@ class SubprocessContext(_NativeContext):
             duplicate_stdout_filters, duplicate_stderr_filters,
         )
 
-    def _launch_plans(self) -> list[_LaunchPlan]:
-        base = dict(os.environb)
+    def _launch(self, group: Any, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
         plans = []
         for rank in range(self.nprocs):
-            env = dict(base)
-            for key, value in self.envs[rank].items():
-                kb, vb = _encode_env_item(rank, key, value)
-                env[kb] = vb
             argv = [os.fsencode(self.entrypoint)]  # type: ignore[arg-type]
             argv += [a if isinstance(a, bytes) else os.fsencode(str(a)) for a in self.args[rank]]
-            plans.append(_LaunchPlan(self._paths[rank], argv, [k + b"=" + v for k, v in env.items()]))
-        return plans
+            plans.append(_ExecPlan(self._paths[rank], argv, _exec_env(rank, self.envs[rank])))
+        self._spawn(group, streams, plans)
 
 
 def _function_context_class() -> type[PContext]:
@@ -806,7 +840,7 @@ def start_processes(
         context = SubprocessContext(name, entrypoint, args, envs, spec_obj, **extra)
     else:
         context = _function_context_class()(  # type: ignore[call-arg]
-            name, entrypoint, args, envs, spec_obj, start_method=start_method, **extra)
+            name, entrypoint, args, envs, start_method=start_method, logs_specs=spec_obj, **extra)
     try:
         context.start()
     except BaseException:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import socket
 import string
@@ -125,7 +126,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="console line prefix, a str.format template with the fields "
                         "{name} {rank} {local_rank} {pid} {host}; {pid} is the pid of "
                         f"torchmp run itself (the workers do not exist yet) (default: "
-                        f"'{DEFAULT_PREFIX.replace('{', '{{').replace('}', '}}')}')")
+                        f"'{DEFAULT_PREFIX}')")
     p.add_argument("--timestamps", action="store_true",
                    help="start every teed console line with the time it was read")
     p.add_argument("--start-method", default="spawn", choices=("spawn", "fork", "forkserver"),
@@ -226,6 +227,25 @@ def _check_prefix(template: str) -> None:
         raise _UsageError(f"--prefix: cannot format {template!r}: {e}") from None
 
 
+_PYTHON_RE = re.compile(r"python[0-9.]*")
+
+
+def default_name(command: Sequence[str]) -> str:
+    """The job name when ``--name`` is not given: the script's stem for
+    ``python [opts] script.py ...``, else the program's base name."""
+    program = os.path.basename(command[0])
+    if _PYTHON_RE.fullmatch(program):
+        for arg in command[1:]:
+            if arg in ("-c", "-m"):
+                break
+            if arg.startswith("-"):
+                continue
+            if arg.endswith(".py"):
+                return os.path.splitext(os.path.basename(arg))[0] or program
+            break
+    return program
+
+
 def _free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (bind to port 0, read it, close)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -259,7 +279,7 @@ class _Plan:
                               "(the native console framer cannot stamp lines)")
         self.command = command
         self.nproc: int = args.nproc
-        self.name: str = args.name if args.name is not None else os.path.basename(command[0])
+        self.name: str = args.name if args.name is not None else default_name(command)
         if not self.name:
             raise _UsageError("--name must not be empty")
         redirects = _parse_std(args.redirects, self.nproc, "--redirects")

@@ -284,6 +284,30 @@ def patched() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _torch_logging() -> Iterator[None]:
+    """Log torchmp's messages (e.g. "Sending process ... closing signal") through
+    torch.distributed's handlers and level, so they read as torchrun's do."""
+    log = logging.getLogger("torchmp")
+    if log.handlers:
+        yield  # the application configured torchmp's logging itself
+        return
+    source = logging.getLogger("torch.distributed")
+    handlers = source.handlers or logging.getLogger("torch").handlers
+    saved = (log.level, log.propagate)
+    for h in handlers:
+        log.addHandler(h)
+    if handlers:
+        log.setLevel(source.getEffectiveLevel())
+        log.propagate = False
+    try:
+        yield
+    finally:
+        for h in handlers:
+            log.removeHandler(h)
+        log.level, log.propagate = saved
+
+
+@contextlib.contextmanager
 def _argv0(prog: str) -> Iterator[None]:
     # torchrun's parser takes its name from sys.argv[0].
     saved = sys.argv[0] if sys.argv else None
@@ -319,7 +343,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m torchmp.torch
             "'torchmp run' works without it.\n"
         )
         return 2
-    with _argv0(prog), patched():
+    with _argv0(prog), _torch_logging(), patched():
         _load_torch().run.main(argv)
     return 0
 

@@ -43,7 +43,7 @@ def run_funclaunch(ctx) -> Result:
 
             ctx.log(f"  {method} N={n}")
             # forkserver: one warm-up round so the server's start-up is not timed
-            samples = interleave(impls, ctx.reps(5, 2), trial, warmup=1 if method == "forkserver" else 0,
+            samples = interleave(impls, ctx.reps(3, 1), trial, warmup=1 if method == "forkserver" else 0,
                                  on_error=lambda i, m, k=key: res.error(i, k, m), log=ctx.log)
             record(res, samples)
     return res

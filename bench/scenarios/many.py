@@ -81,6 +81,6 @@ def run_nofile(ctx) -> Result:
             res.note(impl, "killed_by_bench", killed)
             return {"ok": int(ok), "left_running": len(left)}
 
-    samples = interleave(impls, 1, trial, warmup=0, on_error=lambda i, m: res.error(i, "", m), log=ctx.log)
+    samples = interleave(impls, ctx.reps(1, 1), trial, warmup=0, on_error=lambda i, m: res.error(i, "", m), log=ctx.log)
     record(res, samples)
     return res

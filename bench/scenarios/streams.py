@@ -134,7 +134,7 @@ def _run(ctx, scen: str) -> Result:
             return sample
 
     try:
-        samples = interleave(impls, ctx.reps(3, 1), trial, warmup=0,
+        samples = interleave(impls, ctx.reps(3, 2), trial, warmup=0,
                              on_error=lambda i, m: res.error(i, "", m), log=ctx.log)
     finally:
         import shutil

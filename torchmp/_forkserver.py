@@ -1,0 +1,326 @@
+"""The forkserver start method.
+
+One server per launcher process, started on first use through the native
+exec path (so it is in its own session, has PR_SET_PDEATHSIG, and is reaped
+by the I/O thread).  It imports the launcher's ``__main__`` (as
+``__mp_main__``, like multiprocessing) and the modules named with
+:func:`set_forkserver_preload`, then forks one worker per request.
+
+Protocol, over a Unix socket pair (the server's end is its fd 4):
+
+* request: 4-byte length + pickle of ``(fn, args, env)``, with the worker's
+  stdout, stderr and return-channel fds attached (SCM_RIGHTS);
+* reply: 8-byte pid (negative: -errno of a failed fork).
+
+The worker is the server's child, not the launcher's, so the server reaps it
+and appends a ``tmpEXIT1`` trailer (wait status, user/sys CPU, max RSS) to
+the worker's return channel; the launcher's I/O thread takes the channel's
+EOF as the exit event.  If the server dies, its workers die with it (their
+parent-death signal) and their channels end without a trailer: the launcher
+reports them as failed with "the forkserver died".
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from typing import Any
+
+from torchmp import _core, _worker
+
+__all__ = ["set_forkserver_preload", "get_forkserver"]
+
+_REPLY = struct.Struct("<q")
+_LENGTH = struct.Struct("<I")
+_TRAILER = struct.Struct("<8sqqqq")
+_TRAILER_MAGIC = b"tmpEXIT1"
+
+# A request not answered in this time means the server is wedged.
+REPLY_TIMEOUT = 60.0
+
+_preload: list[str] = []
+
+
+def set_forkserver_preload(modules: list[str]) -> None:
+    """Modules the forkserver imports once, so workers start with them
+    loaded.  Takes effect when the server (re)starts."""
+    if isinstance(modules, str) or not all(isinstance(m, str) for m in modules):
+        raise TypeError("set_forkserver_preload() takes a list of module names")
+    _preload[:] = list(modules)
+
+
+class ForkServerDied(RuntimeError):
+    """The forkserver is gone; workers it started are reported as failed."""
+
+
+class ForkServer:
+    def __init__(self) -> None:
+        self._owner = os.getpid()
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._group: Any = None
+
+    # -- server process -----------------------------------------------------
+    def _alive(self) -> bool:
+        if self._group is None or self._sock is None:
+            return False
+        _, ranks = self._group.snapshot()
+        return ranks[0][0] == _core.PROC_RUNNING
+
+    def _start(self) -> None:
+        self._stop()
+        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            prep = _worker.preparation_data()
+            setup = pickle.dumps((prep, list(_preload)), protocol=pickle.HIGHEST_PROTOCOL)
+            argv = [os.fsencode(sys.executable)]
+            argv += [os.fsencode(a) for a in __import__("subprocess")._args_from_interpreter_flags()]
+            argv += [b"-c", b"from torchmp._forkserver import server_main; server_main()"]
+            env = [k + b"=" + v for k, v in os.environb.items()]
+            group = _core.Group(1)
+            inherit = (_core.STREAM_INHERIT, -1, -1, None)
+            group.spawn([(os.fsencode(sys.executable), argv, env, inherit, inherit, inherit, child_sock.fileno())])
+        except BaseException:
+            parent_sock.close()
+            raise
+        finally:
+            child_sock.close()
+        self._group = group
+        self._sock = parent_sock
+        try:
+            self._send_message(setup, [])
+            self._recv_reply()  # the server answers 0 once its imports are done
+        except BaseException:
+            self._stop()
+            raise
+
+    def _stop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._group is not None:
+            group, self._group = self._group, None
+            try:
+                group.killpg(signal.SIGKILL, True)
+            except OSError:
+                pass
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                _, ranks = group.snapshot()
+                if ranks[0][0] != _core.PROC_RUNNING:
+                    break
+                group.wait(deadline - time.monotonic())
+            group.finish_streams()
+            group.release()
+
+    def _send_message(self, data: bytes, fds: list[int]) -> None:
+        assert self._sock is not None
+        message = _LENGTH.pack(len(data)) + data
+        try:
+            sent = socket.send_fds(self._sock, [message], fds)
+            if sent < len(message):
+                self._sock.sendall(message[sent:])
+        except OSError as e:
+            raise ForkServerDied(f"the torchmp forkserver is gone ({e})") from None
+
+    def _recv_reply(self) -> int:
+        assert self._sock is not None
+        buf = b""
+        deadline = time.monotonic() + REPLY_TIMEOUT
+        while len(buf) < _REPLY.size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ForkServerDied(f"the torchmp forkserver did not answer within {REPLY_TIMEOUT:.0f}s")
+            ready, _, _ = select.select([self._sock], [], [], remaining)
+            if not ready:
+                continue
+            chunk = self._sock.recv(_REPLY.size - len(buf))
+            if not chunk:
+                raise ForkServerDied("the torchmp forkserver died")
+            buf += chunk
+        return _REPLY.unpack(buf)[0]  # type: ignore[no-any-return]
+
+    # -- launching ----------------------------------------------------------
+    def launch(self, ctx: Any, group: Any, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
+        with self._lock:
+            if not self._alive():
+                self._start()
+            for rank in range(ctx.nprocs):
+                out, err = streams[rank]
+                out_fd, err_fd, ret_fd = group.prepare_rank(rank, out, err, (_core.STREAM_CAPTURE, -1, -1, None))
+                owned = [fd for fd, spec in ((out_fd, out), (err_fd, err)) if fd >= 0 and spec[0] != _core.STREAM_FILE]
+                owned.append(ret_fd)
+                try:
+                    body = pickle.dumps((ctx.entrypoint, ctx.args[rank], dict(ctx.envs[rank])),
+                                        protocol=pickle.HIGHEST_PROTOCOL)
+                    fds = [fd for fd in (out_fd, err_fd) if fd >= 0] + [ret_fd]
+                    flags = (out_fd >= 0) | (err_fd >= 0) << 1
+                    self._send_message(bytes([flags]) + body, fds)
+                    pid = self._recv_reply()
+                except BaseException as e:
+                    group.drop(rank)
+                    if isinstance(e, ForkServerDied):
+                        self._stop()
+                    ctx._close(signal.SIGKILL, timeout=5)
+                    raise
+                finally:
+                    for fd in owned:
+                        os.close(fd)
+                if pid <= 0:
+                    group.drop(rank)
+                    ctx._close(signal.SIGKILL, timeout=5)
+                    raise OSError(-pid, f"forkserver could not fork local rank {rank}: {os.strerror(-pid)}")
+                group.adopt(rank, pid, True)
+
+
+_server: ForkServer | None = None
+
+
+def get_forkserver() -> ForkServer:
+    global _server
+    if _server is None or _server._owner != os.getpid():
+        _server = ForkServer()
+    return _server
+
+
+# ---------------------------------------------------------------------------
+# The server process.
+
+def _recv_message(sock: socket.socket) -> tuple[bytes, list[int]] | None:
+    head, fds, _, _ = socket.recv_fds(sock, _LENGTH.size, 8)
+    if not head:
+        return None
+    while len(head) < _LENGTH.size:
+        more = sock.recv(_LENGTH.size - len(head))
+        if not more:
+            return None
+        head += more
+    (length,) = _LENGTH.unpack(head)
+    body = bytearray()
+    while len(body) < length:
+        chunk = sock.recv(min(1 << 20, length - len(body)))
+        if not chunk:
+            return None
+        body += chunk
+    return bytes(body), list(fds)
+
+
+def _trailer(status: int, ru: Any) -> bytes:
+    return _TRAILER.pack(_TRAILER_MAGIC, status, int(ru.ru_utime * 1e9), int(ru.ru_stime * 1e9), ru.ru_maxrss)
+
+
+def server_main() -> None:
+    sock = socket.socket(fileno=_worker.FD_PAYLOAD)
+    sock.setblocking(True)
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ret_fds: dict[int, int] = {}  # worker pid -> our copy of its return channel
+    server_pid = os.getpid()
+
+    message = _recv_message(sock)
+    if message is None:
+        return
+    prep, preload = pickle.loads(message[0])
+    try:
+        _worker.prepare(prep)
+    except BaseException as e:  # a main module that fails to import must not kill the server
+        print(f"torchmp forkserver: could not import the main module: {e!r}", file=sys.stderr)
+    for name in preload:
+        try:
+            __import__(name)
+        except BaseException as e:
+            print(f"torchmp forkserver: could not preload {name}: {e!r}", file=sys.stderr)
+    sock.sendall(_REPLY.pack(0))
+
+    def reap() -> None:
+        while ret_fds:
+            try:
+                pid, status, ru = os.wait4(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            fd = ret_fds.pop(pid, None)
+            if fd is not None:
+                try:
+                    _worker._write_all(fd, _trailer(status, ru))
+                except OSError:
+                    pass
+                os.close(fd)
+
+    while True:
+        try:
+            ready, _, _ = select.select([sock, wake_r], [], [])
+        except InterruptedError:
+            continue
+        if wake_r in ready:
+            try:
+                while os.read(wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+            reap()
+        if sock not in ready:
+            continue
+        message = _recv_message(sock)
+        if message is None:
+            return  # the launcher is gone; our workers follow by their death signal
+        data, fds = message
+        flags, body = data[0], data[1:]
+        fds_iter = iter(fds)
+        out_fd = next(fds_iter) if flags & 1 else -1
+        err_fd = next(fds_iter) if flags & 2 else -1
+        ret_fd = next(fds_iter)
+        try:
+            pid = os.fork()
+        except OSError as e:
+            pid = -(e.errno or 1)
+        if pid == 0:
+            _server_child(server_pid, sock, wake_r, wake_w, ret_fds, out_fd, err_fd, ret_fd, body)
+        for fd in (out_fd, err_fd):
+            if fd >= 0:
+                os.close(fd)
+        if pid > 0:
+            ret_fds[pid] = ret_fd
+        else:
+            os.close(ret_fd)
+        sock.sendall(_REPLY.pack(pid))
+        reap()
+
+
+def _server_child(server_pid: int, sock: socket.socket, wake_r: int, wake_w: int, ret_fds: dict[int, int],
+                  out_fd: int, err_fd: int, ret_fd: int, body: bytes) -> None:
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGCHLD, signal.SIGINT):
+            signal.signal(sig, signal.SIG_DFL)
+        # Siblings' return channels must not be held open by this worker, or
+        # their exits would wait for it.
+        for fd in list(ret_fds.values()) + [wake_r, wake_w]:
+            os.close(fd)
+        sock.close()
+        os.set_inheritable(ret_fd, False)  # the worker's own children must not hold it
+        _core.child_setup(out_fd, err_fd, True, server_pid)
+        for fd in (out_fd, err_fd):
+            if fd > 2:
+                os.close(fd)
+        fn, args, env = pickle.loads(body)
+        for key, value in env.items():
+            os.environ[str(key)] = value if isinstance(value, str) else str(value)
+    except BaseException as e:
+        import traceback
+
+        traceback.print_exc()
+        _worker._record(e)
+        os._exit(code)
+    _worker.run(fn, args, ret_fd)

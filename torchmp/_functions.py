@@ -1,0 +1,233 @@
+"""Function launch: ``MultiprocessContext`` with spawn, fork and forkserver.
+
+Every start method ends in the same native machinery as a binary launch:
+each worker is in its own session (process group), its stdout/stderr are the
+redirect file or a tee pipe at the fd level (so C code and the worker's own
+subprocesses are captured), and its pickled return value comes back through
+a pipe that the I/O thread drains into memory -- any size, whether or not the
+launcher is calling ``wait``.
+
+=============  ==============================================================
+start method   how a worker starts
+=============  ==============================================================
+``spawn``      a fresh interpreter exec'd by the I/O thread; the pickled
+               function, args and the data to re-import ``__main__`` arrive
+               on an inherited fd (``if __name__ == "__main__":`` guards work
+               as with multiprocessing)
+``fork``       the calling thread forks (through CPython's fork hooks) and the
+               child runs the function.  Caveat of fork: only the forking
+               thread exists in the child, so locks held by other threads at
+               that moment stay locked there; do not fork a launcher whose
+               other threads hold locks the function needs.  The parent-death
+               signal is armed only when forking from the main thread (it
+               fires when the *forking thread* exits).
+``forkserver`` a long-lived server (started on first use, preloading
+               ``set_forkserver_preload`` modules) forks each worker; the
+               launcher still gets pids, exit codes and rusage and kills whole
+               process groups; a dead server is reported, never waited on.
+=============  ==============================================================
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from torchmp import _core, _worker
+from torchmp.api import (
+    _CAPTURE,
+    _ExecPlan,
+    _NativeContext,
+    _check_filters,
+    _check_name,
+    _check_prefixes,
+    _exec_env,
+    _normalize_args,
+    _normalize_envs,
+    logger,
+)
+from torchmp.logs_specs import LogsSpecs
+
+__all__ = ["MultiprocessContext"]
+
+START_METHODS = ("spawn", "fork", "forkserver")
+
+_SPAWN_BOOTSTRAP = "from torchmp._worker import spawn_main; spawn_main()"
+
+# Signals the launcher turns into SignalException: a forked worker must die
+# of them like any other process, not raise in the user's function.
+_LAUNCHER_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+def _payload_file(data: bytes) -> int:
+    """An anonymous file holding data (memfd where there is one)."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("torchmp-payload", os.MFD_CLOEXEC)
+    else:  # pragma: no cover - non-Linux
+        f = tempfile.TemporaryFile()
+        fd = os.dup(f.fileno())
+        f.close()
+        os.set_inheritable(fd, False)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check_picklable(start_method: str, entrypoint: Callable[..., Any], args: dict[int, tuple[Any, ...]]) -> None:
+    if start_method == "fork":
+        return
+    try:
+        pickle.dumps(entrypoint, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:
+        name = getattr(entrypoint, "__qualname__", repr(entrypoint))
+        raise ValueError(
+            f"entrypoint {name} cannot be pickled for start_method={start_method!r} ({e}); "
+            "define it at module level (not a lambda or a local function), or use start_method='fork'"
+        ) from None
+    for rank, rank_args in args.items():
+        try:
+            pickle.dumps(rank_args, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:
+            raise ValueError(f"args[{rank}] cannot be pickled for start_method={start_method!r}: {e}") from None
+
+
+class MultiprocessContext(_NativeContext):
+    """``PContext`` holding worker processes invoked as a function."""
+
+    def __init__(
+        self,
+        name: str,
+        entrypoint: Callable[..., Any],
+        args: dict[int, tuple[Any, ...]],
+        envs: dict[int, dict[str, str]],
+        start_method: str,
+        logs_specs: LogsSpecs,
+        log_line_prefixes: dict[int, str] | None = None,
+        numa_options: Any = None,
+        duplicate_stdout_filters: list[str] | None = None,
+        duplicate_stderr_filters: list[str] | None = None,
+    ) -> None:
+        name = _check_name(name)
+        if not callable(entrypoint):
+            raise TypeError(f"MultiprocessContext needs a callable entrypoint, got {type(entrypoint).__name__}")
+        if start_method not in START_METHODS:
+            raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
+        if numa_options is not None:
+            raise NotImplementedError("numa_options is not supported by torchmp; pass None")
+        args = _normalize_args(args)
+        envs = _normalize_envs(envs, len(args))
+        log_line_prefixes = _check_prefixes(log_line_prefixes, len(args))
+        duplicate_stdout_filters = _check_filters(duplicate_stdout_filters, "duplicate_stdout_filters")
+        duplicate_stderr_filters = _check_filters(duplicate_stderr_filters, "duplicate_stderr_filters")
+        _check_picklable(start_method, entrypoint, args)
+        self.start_method = start_method
+        super().__init__(
+            name, entrypoint, args, envs, logs_specs, log_line_prefixes,
+            duplicate_stdout_filters, duplicate_stderr_filters,
+        )
+        self._return_values_cache: dict[int, Any] = {}
+        self._return_blobs: dict[int, bytes] = {}
+
+    # -- launching ------------------------------------------------------------
+    def _launch(self, group: Any, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
+        if self.start_method == "spawn":
+            self._launch_spawn(group, streams)
+        elif self.start_method == "fork":
+            self._launch_fork(group, streams)
+        else:
+            from torchmp._forkserver import get_forkserver
+
+            get_forkserver().launch(self, group, streams)
+
+    def _launch_spawn(self, group: Any, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
+        prep = _worker.preparation_data()
+        argv = [os.fsencode(sys.executable)]
+        argv += [os.fsencode(a) for a in subprocess._args_from_interpreter_flags()]  # type: ignore[attr-defined]
+        argv += [b"-c", _SPAWN_BOOTSTRAP.encode()]
+        path = os.fsencode(sys.executable)
+        payload_fds: list[int] = []
+        try:
+            plans = []
+            for rank in range(self.nprocs):
+                payload = _worker.encode_payload(prep, self.entrypoint, self.args[rank])  # type: ignore[arg-type]
+                fd = _payload_file(payload)
+                payload_fds.append(fd)
+                plans.append(_ExecPlan(path, argv, _exec_env(rank, self.envs[rank]), capture_return=True,
+                                       payload_fd=fd))
+            self._spawn(group, streams, plans)
+        finally:
+            for fd in payload_fds:
+                os.close(fd)
+
+    def _launch_fork(self, group: Any, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
+        # Python-level buffers would otherwise be written twice (parent and child).
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        on_main_thread = threading.current_thread() is threading.main_thread()
+        for rank in range(self.nprocs):
+            out, err = streams[rank]
+            try:
+                pid, ret_fd = group.fork_rank(rank, out, err, _CAPTURE, on_main_thread)
+            except OSError as e:
+                logger.error("failed to fork local rank %s of %s: %s", rank, self.name, e)
+                self._close(signal.SIGKILL, timeout=5)
+                raise
+            if pid == 0:
+                _fork_child(self.entrypoint, self.args[rank], self.envs[rank], ret_fd)  # never returns
+
+    # -- results ----------------------------------------------------------------
+    def _return_values(self, exited_ok: list[int]) -> dict[int, Any]:
+        values: dict[int, Any] = {}
+        for rank in range(self.nprocs):
+            values[rank] = self._return_value(rank)
+        return values
+
+    def _return_value(self, rank: int) -> Any:
+        if rank not in self._return_values_cache:
+            blob = self._return_blobs.pop(rank, b"")
+            try:
+                self._return_values_cache[rank] = pickle.loads(blob) if blob else None
+            except Exception as e:
+                raise RuntimeError(
+                    f"the return value of local rank {rank} ({len(blob)} bytes) could not be "
+                    f"unpickled in the launcher: {e!r}") from e
+        return self._return_values_cache[rank]
+
+    def _before_release(self, group: Any) -> None:
+        # close() releases the native group: keep the return values.
+        for rank in range(self.nprocs):
+            if rank not in self._return_blobs:
+                self._return_blobs[rank] = group.take_return(rank)
+
+    def _lost_status_reason(self, rank: int) -> str:
+        if self.start_method == "forkserver":
+            return "its exit status was lost: the forkserver that started it died"
+        return super()._lost_status_reason(rank)
+
+
+def _fork_child(fn: Callable[..., Any], args: tuple[Any, ...], env: dict[str, Any], ret_fd: int) -> None:
+    """Body of a forked worker: never returns into the launcher's frames."""
+    try:
+        for sig in _LAUNCHER_SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+        for key, value in env.items():
+            os.environ[key if isinstance(key, str) else os.fsdecode(key)] = (
+                value if isinstance(value, str) else os.fsdecode(value) if isinstance(value, bytes) else str(value))
+    except BaseException:
+        os._exit(1)
+    _worker.run(fn, args, ret_fd)
