@@ -66,6 +66,47 @@ PROC_EXITED = TORCHMP_PROC_EXITED
 STEP_EXEC = TORCHMP_STEP_EXEC
 
 
+cdef extern from "<stdio.h>" nogil:
+    ctypedef struct FILE
+    FILE *stdout
+    FILE *stderr
+    int fflush(FILE *stream)
+
+cdef extern from "<unistd.h>" nogil:
+    int dup2(int oldfd, int newfd)
+
+cdef extern from "<fcntl.h>" nogil:
+    int fcntl(int fd, int cmd, ...)
+    int F_DUPFD_CLOEXEC
+
+
+def redirect_fd(int std_fd, int target_fd):
+    """Point std_fd (1 or 2) at target_fd after flushing C stdio; returns a
+    CLOEXEC duplicate of the old std_fd for restore_fd."""
+    cdef int saved
+    if std_fd != 1 and std_fd != 2:
+        raise ValueError(f"std_fd must be 1 or 2, got {std_fd}")
+    fflush(stdout if std_fd == 1 else stderr)
+    saved = fcntl(std_fd, F_DUPFD_CLOEXEC, 3)
+    check(saved, b"dup of the standard stream")
+    if dup2(target_fd, std_fd) < 0:
+        err = errno
+        c_close(saved)
+        raise OSError(err, f"dup2 onto fd {std_fd}: {strerror(err).decode()}")
+    return saved
+
+
+def restore_fd(int std_fd, int saved_fd):
+    """Undo redirect_fd: flush C stdio, put saved_fd back on std_fd, close it."""
+    cdef int rc, err
+    fflush(stdout if std_fd == 1 else stderr)
+    rc = dup2(saved_fd, std_fd)
+    err = errno
+    c_close(saved_fd)
+    if rc < 0:
+        raise OSError(err, f"restoring fd {std_fd}: {strerror(err).decode()}")
+
+
 def child_setup(int stdout_fd, int stderr_fd, bint pdeathsig, int parent_pid):
     """In a freshly forked Python worker: new session, parent-death signal
     (with the parent-died race checked), stdout/stderr onto the given fds.

@@ -651,24 +651,25 @@ class _NativeContext(PContext):
         if self._group is None or self._closed:
             return
         group = self._group
+        pids = self.pids()
         running = self._running()
         if running:
             for rank in running:
-                logger.warning("Sending process %s closing signal %s", self.pids().get(rank), death_sig.name)
+                logger.warning("Sending process %s closing signal %s", pids.get(rank), death_sig.name)
             group.killpg(int(death_sig))
             running = self._wait_exits(time.monotonic() + max(0.0, float(timeout)))
         if running:
+            group.killpg(int(signal.SIGKILL))
             for rank in running:
                 logger.warning(
                     "Unable to shutdown process %s via %s, forcefully exiting via SIGKILL",
-                    self.pids().get(rank), death_sig.name)
-            group.killpg(int(signal.SIGKILL))
+                    pids.get(rank), death_sig.name)
             running = self._wait_exits(time.monotonic() + KILL_GRACE_SECONDS)
             for rank in running:
                 logger.error(
                     "Process %s (local rank %s) did not exit %.1fs after SIGKILL; abandoning it. "
                     "It may be in uninterruptible sleep (wedged on a device); the I/O thread "
-                    "reaps it if it ever exits.", self.pids().get(rank), rank, KILL_GRACE_SECONDS)
+                    "reaps it if it ever exits.", pids.get(rank), rank, KILL_GRACE_SECONDS)
             self._abandoned = set(running)
         # Grandchildren live on in the workers' process groups after their
         # leaders exit: take them down too.

@@ -1,0 +1,166 @@
+"""Worker functions for tests/test_functions.py.
+
+They live in a module of their own (tests/ is on sys.path, and sys.path
+travels to spawned workers and to the forkserver) so that spawn and
+forkserver workers can unpickle them by reference.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+# Who imported this module: a spawn worker imports it itself when it unpickles
+# its function; a forkserver worker inherits it from the server when the
+# server preloaded it.
+IMPORTED_BY_PID = os.getpid()
+
+
+@dataclass
+class Payload:
+    """A user-defined object travelling back as a return value."""
+
+    rank: int
+    tags: tuple[str, ...]
+    table: dict[str, list[float]] = field(default_factory=dict)
+
+
+def big_bytes(rank: int, size: int) -> bytes:
+    """Deterministic, rank-specific bytes of the given size."""
+    block = bytes(range(256))
+    data = bytearray(block * (size // 256) + block[: size % 256])
+    data[:8] = rank.to_bytes(8, "little")
+    data[-1] = (rank * 7 + 1) & 0xFF
+    return bytes(data)
+
+
+# --- return values -----------------------------------------------------------
+
+def return_rich(rank: int):
+    """A different kind of value per rank: dict, None, object, nested, bytes."""
+    kind = rank % 5
+    if kind == 0:
+        return {"rank": rank, "nested": {"a": [1, 2.5, None], "b": (True, False)}, 3: "int key"}
+    if kind == 1:
+        return None
+    if kind == 2:
+        return Payload(rank, ("x", "y"), {"loss": [0.5, 0.25]})
+    if kind == 3:
+        return [frozenset({1, 2}), b"\x00\xff raw", "caf\u00e9", 2**70, -0.0]
+    return (rank, os.getpid())
+
+
+def return_big(rank: int, size: int) -> bytes:
+    return big_bytes(rank, size)
+
+
+def return_arg(value):
+    return value
+
+
+# --- environment -------------------------------------------------------------
+
+def read_env(names: tuple[str, ...]) -> dict[str, str | None]:
+    return {name: os.environ.get(name) for name in names}
+
+
+# --- output --------------------------------------------------------------------
+
+def write_everywhere(rank: int) -> int:
+    """Write to stdout and stderr through every layer: Python, the fd, C stdio
+    and a child process.  Ends with unflushed Python output and no newline."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    print(f"print {rank}", flush=True)
+    os.write(1, f"os.write {rank}\n".encode())
+    libc.printf(b"libc printf %d\n", ctypes.c_int(rank))
+    libc.fflush(None)
+    libc.puts(b"libc puts")
+    libc.fflush(None)
+    os.system(f"echo from-child {rank}")
+    os.system(f"echo from-child-err {rank} >&2")
+    print(f"print err {rank}", file=sys.stderr, flush=True)
+    os.write(2, b"os.write err\n")
+    os.write(1, b"non-utf8 \xff\xfe\x00 bytes\n")
+    sys.stdout.write(f"tail {rank} (unflushed, no newline)")
+    return rank
+
+
+# --- failures --------------------------------------------------------------------
+
+def raise_value_error(rank: int, delay: float = 0.0):
+    if delay:
+        time.sleep(delay)
+    raise ValueError(f"boom from rank {rank}")
+
+
+def sys_exit(code):
+    sys.exit(code)
+
+
+def kill_self(sig: int):
+    os.kill(os.getpid(), sig)
+    time.sleep(30)  # not reached
+
+
+def return_lambda():
+    return lambda: 1
+
+
+def return_lock():
+    return threading.Lock()
+
+
+def sleep_then_return(seconds: float, value=None):
+    time.sleep(seconds)
+    return value
+
+
+def raise_or_sleep(rank: int, fail_rank: int, delay: float, pidfile: str):
+    with open(pidfile, "a") as f:
+        f.write(f"{os.getpid()}\n")
+    if rank == fail_rank:
+        time.sleep(delay)
+        raise ValueError(f"rank {rank} failed on purpose")
+    time.sleep(100)
+
+
+def spawn_grandchild(pidfile: str):
+    """Start `sleep 100` (our own child, in our process group) and wait."""
+    child = subprocess.Popen(["sleep", "100"])
+    with open(pidfile, "a") as f:
+        f.write(f"{child.pid}\n")
+    time.sleep(100)
+
+
+def announce_and_sleep(pidfile: str, seconds: float = 100):
+    with open(pidfile, "a") as f:
+        f.write(f"{os.getpid()}\n")
+    time.sleep(seconds)
+
+
+# --- forkserver ---------------------------------------------------------------------
+
+def preload_report(modules: tuple[str, ...]):
+    """What this worker inherited: who imported this module, which modules
+    were already loaded, and who our parent is (the forkserver)."""
+    return {
+        "imported_by": IMPORTED_BY_PID,
+        "pid": os.getpid(),
+        "ppid": os.getppid(),
+        "loaded": {m: m in sys.modules for m in modules},
+    }
+
+
+def ident():
+    return os.getpid(), os.getppid(), threading.current_thread() is threading.main_thread()
+
+
+def sigterm_disposition() -> bool:
+    """True if SIGTERM has its default action in the worker."""
+    return signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
