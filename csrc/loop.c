@@ -659,8 +659,11 @@ static void group_link(torchmp_loop *L, torchmp_group *g)
 
 static int do_spawn(torchmp_loop *L, command *c)
 {
+    sigset_t reset;
     group_link(L, c->group);
+    torchmp_signals_to_reset(&reset);
     for (int i = 0; i < c->count; i++) {
+        c->specs[i].args.reset_signals = reset;
         if (do_spawn_one(L, c->group, i, &c->specs[i], &c->err) != 0)
             return i;
     }

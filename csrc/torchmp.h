@@ -15,6 +15,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <signal.h>
 #include <sys/types.h>
 
 /* ---------------------------------------------------------------------------
@@ -77,6 +78,7 @@ typedef struct {
      * inherit for 0..2 and closed for the others. */
     int child_fds[TORCHMP_CHILD_FDS];
     int use_vfork;             /* safe only when every signal is blocked in the caller */
+    sigset_t reset_signals;    /* dispositions the child resets to SIG_DFL (torchmp_signals_to_reset) */
     int pdeathsig;             /* 0: none */
     pid_t parent_pid;          /* getpid() of the launcher, for the PDEATHSIG race check */
     long max_fd;               /* bound for the brute-force close fallback */
@@ -86,6 +88,10 @@ typedef struct {
  * *err filled on failure (the child, if any, has been reaped).  Never raises
  * a signal in the caller; errno is also set to err->errnum. */
 int torchmp_spawn(const torchmp_spawn_args *args, pid_t *pid_out, torchmp_exec_error *err);
+
+/* The signals a worker must reset before exec: caught ones, and SIGPIPE /
+ * SIGXFSZ if ignored.  Called by the parent before a batch of spawns. */
+void torchmp_signals_to_reset(sigset_t *out);
 
 /* Human-readable name of a spawn step, for exception messages. */
 const char *torchmp_step_name(int step);
