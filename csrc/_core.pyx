@@ -550,10 +550,11 @@ cdef class Group:
             torchmp_group_finish_streams(self.g)
 
 
-def frame(int fd, bytes prefix, list chunks, Py_ssize_t max_line=256 * 1024):
+def frame(int fd, bytes prefix, list chunks, Py_ssize_t max_line=256 * 1024, Py_ssize_t scratch=4096):
     """Run the console line framer over chunks, writing to fd.
 
-    For tests: the framer the I/O thread uses, fed by hand.
+    For tests: the framer the I/O thread uses, fed by hand (scratch: the
+    size of its line-assembly buffer; 0 for none).
     """
     cdef torchmp_framer f
     cdef torchmp_line_sinks sinks
@@ -562,6 +563,10 @@ def frame(int fd, bytes prefix, list chunks, Py_ssize_t max_line=256 * 1024):
     cdef int filtered = -1
     cdef int filtered_errno = 0
     memset(&sinks, 0, sizeof(sinks))
+    scratch_buf = bytearray(scratch)
+    if scratch > 0:
+        sinks.console_buf = <char *>scratch_buf
+        sinks.scratch_cap = <size_t>scratch
     sinks.console_fd = &console
     sinks.console_errno = &console_errno
     sinks.filtered_fd = &filtered

@@ -42,6 +42,9 @@ cdef extern from "torchmp.h" nogil:
         pass
 
     ctypedef struct torchmp_line_sinks:
+        char *console_buf
+        char *filtered_buf
+        size_t scratch_cap
         int *console_fd
         int *filtered_fd
         const torchmp_needles *needles

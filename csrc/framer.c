@@ -1,8 +1,8 @@
 /*
- * Console line framing.  Each complete line goes out as prefix + line in one
- * writev slot sequence, and a whole batch of lines in as few writev calls as
- * IOV_MAX allows; the I/O thread is the only writer, so lines from different
- * ranks never interleave inside a line.  Bytes pass through untouched: no
+ * Console line framing.  Each complete line goes out as prefix + line, and a
+ * whole chunk of lines in one write from a scratch buffer; the I/O thread is
+ * the only writer, so lines from different ranks never interleave inside a
+ * line.  Bytes pass through untouched: no
  * decoding, no re-encoding, NULs and invalid UTF-8 included.
  */
 #ifndef _GNU_SOURCE
@@ -22,8 +22,6 @@
 #define IOV_MAX 1024
 #endif
 
-/* Slots per flush; three per line (prefix, line, added newline). */
-#define BATCH_IOV (IOV_MAX - (IOV_MAX % 3))
 
 static int wait_writable(int fd)
 {
@@ -89,49 +87,64 @@ static int writev_all(int fd, struct iovec *iov, int cnt)
     return 0;
 }
 
-/* A batch of framed lines bound for one fd. */
+/* Framed lines bound for one fd, assembled in a scratch buffer so that a
+ * chunk of many short lines costs one write(), not one iovec pair a line. */
 typedef struct {
-    struct iovec iov[BATCH_IOV];
-    int cnt;
+    char *buf;
+    size_t len;
+    size_t cap;
     int *fd;          /* shared slot: set to -1 when the sink breaks */
     int *errnum;
 } batch;
 
+static void batch_fail(batch *b)
+{
+    /* EPIPE on a closed console, EBADF, ENOSPC: stop writing to this sink;
+     * the log files are written separately and stay complete. */
+    if (b->errnum != NULL && *b->errnum == 0)
+        *b->errnum = errno;
+    *b->fd = -1;
+}
+
 static void batch_flush(batch *b)
 {
-    if (b->cnt > 0 && b->fd != NULL && *b->fd >= 0) {
-        if (writev_all(*b->fd, b->iov, b->cnt) != 0) {
-            /* EPIPE on a closed console, EBADF, ENOSPC: stop writing to this
-             * sink; the log files are written separately and stay complete. */
-            if (b->errnum != NULL && *b->errnum == 0)
-                *b->errnum = errno;
-            *b->fd = -1;
-        }
-    }
-    b->cnt = 0;
+    if (b->len > 0 && b->fd != NULL && *b->fd >= 0 && torchmp_write_all(*b->fd, b->buf, b->len) != 0)
+        batch_fail(b);
+    b->len = 0;
 }
 
 static const char newline = '\n';
 
 static void batch_line(batch *b, const torchmp_framer *f, const char *line, size_t len, int add_newline)
 {
+    size_t need = f->prefix_len + len + (add_newline ? 1 : 0);
     if (b->fd == NULL || *b->fd < 0)
         return;
-    if (b->cnt + 3 > BATCH_IOV)
+    if (b->len + need > b->cap)
         batch_flush(b);
-    if (f->prefix_len > 0) {
-        b->iov[b->cnt].iov_base = (void *)f->prefix;
-        b->iov[b->cnt].iov_len = f->prefix_len;
-        b->cnt++;
+    if (need > b->cap) {
+        /* Longer than the scratch buffer (or there is none): one writev. */
+        struct iovec iov[3];
+        int cnt = 0;
+        if (f->prefix_len > 0) {
+            iov[cnt].iov_base = (void *)f->prefix;
+            iov[cnt++].iov_len = f->prefix_len;
+        }
+        iov[cnt].iov_base = (void *)line;
+        iov[cnt++].iov_len = len;
+        if (add_newline) {
+            iov[cnt].iov_base = (void *)&newline;
+            iov[cnt++].iov_len = 1;
+        }
+        if (writev_all(*b->fd, iov, cnt) != 0)
+            batch_fail(b);
+        return;
     }
-    b->iov[b->cnt].iov_base = (void *)line;
-    b->iov[b->cnt].iov_len = len;
-    b->cnt++;
-    if (add_newline) {
-        b->iov[b->cnt].iov_base = (void *)&newline;
-        b->iov[b->cnt].iov_len = 1;
-        b->cnt++;
-    }
+    memcpy(b->buf + b->len, f->prefix, f->prefix_len);
+    memcpy(b->buf + b->len + f->prefix_len, line, len);
+    if (add_newline)
+        b->buf[b->len + f->prefix_len + len] = '\n';
+    b->len += need;
 }
 
 static int line_matches(const torchmp_needles *nd, const char *line, size_t len)
@@ -151,10 +164,14 @@ typedef struct {
 
 static void emitter_init(emitter *e, const torchmp_line_sinks *s)
 {
-    e->console.cnt = 0;
+    e->console.buf = s->console_buf;
+    e->console.cap = s->console_buf != NULL ? s->scratch_cap : 0;
+    e->console.len = 0;
     e->console.fd = s->console_fd;
     e->console.errnum = s->console_errno;
-    e->filtered.cnt = 0;
+    e->filtered.buf = s->filtered_buf;
+    e->filtered.cap = s->filtered_buf != NULL ? s->scratch_cap : 0;
+    e->filtered.len = 0;
     e->filtered.fd = s->needles != NULL ? s->filtered_fd : NULL;
     e->filtered.errnum = s->filtered_errno;
     e->needles = s->needles;
@@ -238,8 +255,6 @@ int torchmp_framer_feed(torchmp_framer *f, const char *data, size_t len, const t
             } else {
                 emit(&e, f, f->partial, f->partial_len, 0);
             }
-            /* The batch points into the tail buffer: send it before reuse. */
-            emitter_flush(&e);
             f->partial_len = 0;
         } else {
             emit(&e, f, p, (size_t)(nl + 1 - p), 0);

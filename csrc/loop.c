@@ -42,7 +42,15 @@
 #include <sys/syscall.h>
 #endif
 
-#define READ_CHUNK (256 * 1024)
+#define READ_CHUNK (1024 * 1024)
+#define SCRATCH_SIZE (256 * 1024)
+/* A stream that fills its default 64 KiB pipe gets a 1 MiB one, so a chatty
+ * worker blocks (and context-switches) 16 times less often.  Pipe memory is
+ * a per-user resource (fs/pipe-user-pages-soft: past it, new pipes of every
+ * program of the user shrink to one page), so the total is capped. */
+#define DEFAULT_PIPE_SIZE (64 * 1024)
+#define BUSY_PIPE_SIZE (1024 * 1024)
+#define PIPE_GROWTH_BUDGET (16L * 1024 * 1024)
 #define MAX_LINE (256 * 1024)
 #define MAX_EVENTS 256
 
@@ -62,6 +70,7 @@ typedef struct {
     char *capture;
     size_t capture_len, capture_cap;
     int capture_errno;
+    int pipe_grown;            /* bytes of pipe capacity taken from the budget; -1: gave up */
     torchmp_proc *proc;
 } stream;
 
@@ -124,6 +133,9 @@ typedef struct torchmp_loop {
     command *cmd_head, *cmd_tail;
     torchmp_group *groups;
     char *readbuf;
+    long pipe_budget;          /* pipe capacity we may still add to busy streams */
+    char *console_scratch;     /* framed console lines are assembled here */
+    char *filtered_scratch;
     int use_vfork;
     long max_fd;
 } torchmp_loop;
@@ -244,6 +256,9 @@ static torchmp_line_sinks stream_sinks(stream *s)
 {
     torchmp_group *g = s->proc->group;
     torchmp_line_sinks sinks;
+    sinks.console_buf = g->loop->console_scratch;
+    sinks.filtered_buf = g->loop->filtered_scratch;
+    sinks.scratch_cap = SCRATCH_SIZE;
     sinks.console_fd = &g->console_fd[s->which];
     sinks.console_errno = &g->console_errno[s->which];
     sinks.filtered_fd = &g->filtered_fd[s->which];
@@ -310,11 +325,35 @@ static void stream_flush_partial(stream *s)
 
 static void proc_foreign_exit(torchmp_loop *L, torchmp_proc *p);
 
+static void stream_maybe_grow(torchmp_loop *L, stream *s, size_t just_read)
+{
+#ifdef F_SETPIPE_SZ
+    int got;
+    if (s->pipe_grown != 0 || just_read < DEFAULT_PIPE_SIZE || L->pipe_budget < BUSY_PIPE_SIZE)
+        return;
+    got = fcntl(s->fd, F_SETPIPE_SZ, BUSY_PIPE_SIZE);
+    if (got > DEFAULT_PIPE_SIZE) {
+        s->pipe_grown = got - DEFAULT_PIPE_SIZE;
+        L->pipe_budget -= s->pipe_grown;
+    } else {
+        s->pipe_grown = -1; /* EPERM past the user's limit: keep the default */
+    }
+#else
+    (void)L;
+    (void)s;
+    (void)just_read;
+#endif
+}
+
 static void stream_close(torchmp_loop *L, stream *s)
 {
     torchmp_proc *p = s->proc;
     if (s->fd < 0)
         return;
+    if (s->pipe_grown > 0) {
+        L->pipe_budget += s->pipe_grown;
+        s->pipe_grown = 0;
+    }
     stream_flush_partial(s);
     (void)torchmp_poller_del(L->poller, s->fd);
     close_fd(&s->fd);
@@ -344,6 +383,7 @@ static void stream_pump(torchmp_loop *L, stream *s, long limit)
         }
         n = read(s->fd, L->readbuf, want);
         if (n > 0) {
+            stream_maybe_grow(L, s, (size_t)n);
             stream_consume(L, s, L->readbuf, (size_t)n);
             if (limit >= 0)
                 limit -= n;
@@ -876,6 +916,7 @@ static torchmp_loop *loop_create(void)
     L->owner_pid = getpid();
     L->wake_r = L->wake_w = -1;
     L->backend = choose_backend();
+    L->pipe_budget = PIPE_GROWTH_BUDGET;
     L->max_fd = sysconf(_SC_OPEN_MAX);
     if (L->max_fd <= 0 || L->max_fd > (1L << 20))
         L->max_fd = 1L << 20;
@@ -888,7 +929,9 @@ static torchmp_loop *loop_create(void)
 #endif
 
     L->readbuf = malloc(READ_CHUNK);
-    if (L->readbuf == NULL)
+    L->console_scratch = malloc(SCRATCH_SIZE);
+    L->filtered_scratch = malloc(SCRATCH_SIZE);
+    if (L->readbuf == NULL || L->console_scratch == NULL || L->filtered_scratch == NULL)
         goto fail;
     if (notify_open(&L->wake_r, &L->wake_w) != 0)
         goto fail;
@@ -935,6 +978,8 @@ fail:
     torchmp_poller_free(L->poller);
     notify_close(&L->wake_r, &L->wake_w);
     free(L->readbuf);
+    free(L->console_scratch);
+    free(L->filtered_scratch);
     free(L);
     errno = saved;
     return NULL;

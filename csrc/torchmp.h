@@ -129,6 +129,9 @@ typedef struct torchmp_framer {
 /* Where framed lines go.  A sink fd of -1 is skipped; a sink whose write
  * fails permanently is switched off (its fd set to -1) and the errno kept. */
 typedef struct torchmp_line_sinks {
+    char *console_buf;                 /* scratch buffers of scratch_cap bytes (NULL: none) */
+    char *filtered_buf;
+    size_t scratch_cap;
     int *console_fd;                   /* shared per console: -1 once broken */
     int *filtered_fd;                  /* NULL or shared per context */
     const torchmp_needles *needles;    /* NULL: no filtered copy */
