@@ -213,7 +213,9 @@ cdef char **cstring_array(list items, list keep) except NULL:
 
 
 cdef int stream_spec_fill(torchmp_stream_spec *s, tuple spec, list keep) except -1:
-    mode, fd, console, prefix = spec
+    """(mode, fd, console, prefix[, timestamps]) -> a C stream spec."""
+    mode, fd, console, prefix = spec[:4]
+    s.timestamps = bool(spec[4]) if len(spec) > 4 else 0
     s.mode = mode
     s.fd = fd
     s.console = console
@@ -550,7 +552,8 @@ cdef class Group:
             torchmp_group_finish_streams(self.g)
 
 
-def frame(int fd, bytes prefix, list chunks, Py_ssize_t max_line=256 * 1024, Py_ssize_t scratch=4096):
+def frame(int fd, bytes prefix, list chunks, Py_ssize_t max_line=256 * 1024, Py_ssize_t scratch=4096,
+          bint timestamps=False):
     """Run the console line framer over chunks, writing to fd.
 
     For tests: the framer the I/O thread uses, fed by hand (scratch: the
@@ -573,6 +576,7 @@ def frame(int fd, bytes prefix, list chunks, Py_ssize_t max_line=256 * 1024, Py_
     sinks.filtered_errno = &filtered_errno
     sinks.needles = NULL
     torchmp_framer_init(&f, PyBytes_AS_STRING(prefix), <size_t>PyBytes_GET_SIZE(prefix), <size_t>max_line)
+    f.timestamps = timestamps
     try:
         for chunk in chunks:
             if torchmp_framer_feed(&f, PyBytes_AS_STRING(chunk), <size_t>PyBytes_GET_SIZE(chunk), &sinks) != 0:

@@ -39,7 +39,7 @@ cdef extern from "torchmp.h" nogil:
         size_t *len
 
     ctypedef struct torchmp_framer:
-        pass
+        int timestamps
 
     ctypedef struct torchmp_line_sinks:
         char *console_buf
@@ -72,6 +72,7 @@ cdef extern from "torchmp.h" nogil:
         int console
         const char *prefix
         size_t prefix_len
+        int timestamps
 
     ctypedef struct torchmp_rank_spec:
         torchmp_spawn_args args

@@ -13,8 +13,10 @@
 #include <errno.h>
 #include <limits.h>
 #include <poll.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -115,20 +117,25 @@ static void batch_flush(batch *b)
 
 static const char newline = '\n';
 
-static void batch_line(batch *b, const torchmp_framer *f, const char *line, size_t len, int add_newline)
+static void batch_line(batch *b, const torchmp_framer *f, const char *ts, size_t ts_len, const char *line,
+                       size_t len, int add_newline)
 {
-    size_t need = f->prefix_len + len + (add_newline ? 1 : 0);
+    size_t need = f->prefix_len + ts_len + len + (add_newline ? 1 : 0);
     if (b->fd == NULL || *b->fd < 0)
         return;
     if (b->len + need > b->cap)
         batch_flush(b);
     if (need > b->cap) {
         /* Longer than the scratch buffer (or there is none): one writev. */
-        struct iovec iov[3];
+        struct iovec iov[4];
         int cnt = 0;
         if (f->prefix_len > 0) {
             iov[cnt].iov_base = (void *)f->prefix;
             iov[cnt++].iov_len = f->prefix_len;
+        }
+        if (ts_len > 0) {
+            iov[cnt].iov_base = (void *)ts;
+            iov[cnt++].iov_len = ts_len;
         }
         iov[cnt].iov_base = (void *)line;
         iov[cnt++].iov_len = len;
@@ -141,9 +148,10 @@ static void batch_line(batch *b, const torchmp_framer *f, const char *line, size
         return;
     }
     memcpy(b->buf + b->len, f->prefix, f->prefix_len);
-    memcpy(b->buf + b->len + f->prefix_len, line, len);
+    memcpy(b->buf + b->len + f->prefix_len, ts, ts_len);
+    memcpy(b->buf + b->len + f->prefix_len + ts_len, line, len);
     if (add_newline)
-        b->buf[b->len + f->prefix_len + len] = '\n';
+        b->buf[b->len + need - 1] = '\n';
     b->len += need;
 }
 
@@ -160,7 +168,26 @@ typedef struct {
     batch console;
     batch filtered;
     const torchmp_needles *needles;
+    char ts[40];               /* "2026-11-29T09:54:05.123Z ": lines of one chunk share it */
+    size_t ts_len;
 } emitter;
+
+static size_t format_timestamp(char *out, size_t cap)
+{
+    struct timespec now;
+    struct tm tm;
+    size_t n;
+    int wrote;
+    if (clock_gettime(CLOCK_REALTIME, &now) != 0 || gmtime_r(&now.tv_sec, &tm) == NULL)
+        return 0;
+    n = strftime(out, cap, "%Y-%m-%dT%H:%M:%S", &tm);
+    if (n == 0)
+        return 0;
+    wrote = snprintf(out + n, cap - n, ".%03ldZ ", now.tv_nsec / 1000000L);
+    if (wrote < 0 || (size_t)wrote >= cap - n)
+        return 0;
+    return n + (size_t)wrote;
+}
 
 static void emitter_init(emitter *e, const torchmp_line_sinks *s)
 {
@@ -173,16 +200,19 @@ static void emitter_init(emitter *e, const torchmp_line_sinks *s)
     e->filtered.cap = s->filtered_buf != NULL ? s->scratch_cap : 0;
     e->filtered.len = 0;
     e->filtered.fd = s->needles != NULL ? s->filtered_fd : NULL;
+    e->ts_len = 0;
     e->filtered.errnum = s->filtered_errno;
     e->needles = s->needles;
 }
 
 static void emit(emitter *e, const torchmp_framer *f, const char *line, size_t len, int add_newline)
 {
-    batch_line(&e->console, f, line, len, add_newline);
+    if (f->timestamps && e->ts_len == 0)
+        e->ts_len = format_timestamp(e->ts, sizeof(e->ts));
+    batch_line(&e->console, f, e->ts, e->ts_len, line, len, add_newline);
     if (e->needles != NULL && e->filtered.fd != NULL && *e->filtered.fd >= 0 &&
         line_matches(e->needles, line, len))
-        batch_line(&e->filtered, f, line, len, add_newline);
+        batch_line(&e->filtered, f, e->ts, e->ts_len, line, len, add_newline);
 }
 
 static void emitter_flush(emitter *e)
@@ -195,6 +225,7 @@ void torchmp_framer_init(torchmp_framer *f, const char *prefix, size_t prefix_le
 {
     f->prefix = prefix;
     f->prefix_len = prefix_len;
+    f->timestamps = 0;
     f->partial = NULL;
     f->partial_len = 0;
     f->partial_cap = 0;

@@ -552,6 +552,7 @@ static int stream_open(torchmp_loop *L, torchmp_proc *p, int which, const torchm
             memcpy(s->prefix, spec->prefix, spec->prefix_len);
             s->prefix[spec->prefix_len] = '\0';
             torchmp_framer_init(&s->framer, s->prefix, spec->prefix_len, MAX_LINE);
+            s->framer.timestamps = spec->timestamps;
         }
     }
     if (torchmp_poller_add(L->poller, pfd[0], s) != 0)

@@ -124,6 +124,7 @@ typedef struct torchmp_framer {
     size_t partial_len;
     size_t partial_cap;
     size_t max_line;
+    int timestamps;            /* a UTC time after the prefix of every line */
 } torchmp_framer;
 
 /* Where framed lines go.  A sink fd of -1 is skipped; a sink whose write
@@ -189,6 +190,7 @@ typedef struct {
     int console;               /* TEE: 1, 2 or -1 (no console copy) */
     const char *prefix;        /* TEE: console prefix (copied) */
     size_t prefix_len;
+    int timestamps;            /* TEE: a time on every console line */
 } torchmp_stream_spec;
 
 typedef struct {

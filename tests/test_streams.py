@@ -216,3 +216,16 @@ def test_framer_splits_overlong_lines(tmp_path):
     with open(path, "wb") as f:
         _core.frame(f.fileno(), b">", [b"a" * 25, b"b" * 10 + b"\nc\n"], 16)
     assert path.read_bytes() == b">" + b"a" * 25 + b"\n>" + b"b" * 10 + b"\n>c\n"
+
+
+def test_log_line_timestamps_on_console_not_in_log(tmp_path, capfdbinary):
+    ctx = launch("sh", {0: ("-c", "echo one; echo two")}, log_dir=tmp_path, tee=Std.OUT,
+                 log_line_timestamps=True)
+    result = ctx.wait(30)
+    ctx.close()
+    out, _ = capfdbinary.readouterr()
+    lines = out.splitlines()
+    assert len(lines) == 2
+    for line, text in zip(lines, (b"one", b"two")):
+        assert re.fullmatch(rb"\[trainer0\]:\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z " + text, line), line
+    assert Path(result.stdouts[0]).read_bytes() == b"one\ntwo\n"

@@ -342,7 +342,7 @@ def _check_filters(filters: object, what: str) -> list[str] | None:
         return None
     if isinstance(filters, str) or not all(isinstance(f, str) for f in filters):  # type: ignore[attr-defined]
         raise TypeError(f"{what} must be a list of str, got {filters!r}")
-    return list(filters)  # type: ignore[call-overload]
+    return list(filters)  # type: ignore[call-overload, no-any-return]
 
 
 def _exec_search_path(env: Mapping[str, Any]) -> list[bytes]:
@@ -437,6 +437,9 @@ class _NativeContext(PContext):
     """A PContext whose workers the native I/O thread starts, watches and
     reaps.  Subclasses only say how each rank is started (``_launch``)."""
 
+    # torchmp extension: a UTC time after the prefix of every teed console line.
+    log_line_timestamps: bool = False
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._group: Any = None
@@ -497,7 +500,7 @@ class _NativeContext(PContext):
         fd = _open_log(path)
         opened.append(fd)
         if rank in tees:
-            return (_core.STREAM_TEE, fd, 1 + which, self._prefix(rank))
+            return (_core.STREAM_TEE, fd, 1 + which, self._prefix(rank), self.log_line_timestamps)
         return (_core.STREAM_FILE, fd, -1, None)
 
     def _start(self) -> None:
@@ -505,7 +508,7 @@ class _NativeContext(PContext):
             raise ValueError("The workers are already started. Most likely start() got called twice.")
         opened: list[int] = []
         try:
-            filtered = []
+            filtered: list[tuple[list[bytes] | None, int]] = []
             for filters, path in (
                 (self.duplicate_stdout_filters, self._logs_dest.filtered_stdout),
                 (self.duplicate_stderr_filters, self._logs_dest.filtered_stderr),
@@ -774,10 +777,14 @@ def start_processes(
     ``entrypoint`` is a callable (function launch) or a ``str`` naming a
     binary (looked up on ``PATH``, never run through a shell; args are cast
     with ``str()``).  Every input is checked before anything starts.
+
+    torchmp extension (keyword only): ``log_line_timestamps=True`` puts a UTC
+    time (``2026-11-29T09:54:05.123Z``) after the prefix of every teed line.
     """
+    timestamps = bool(kwargs.pop("log_line_timestamps", False))
     legacy = "log_dir" in kwargs or isinstance(logs_specs, (str, bytes, os.PathLike))
     if legacy:
-        names = ("start_method", "redirects", "tee")
+        names: tuple[str, ...] = ("start_method", "redirects", "tee")
         defaults: dict[str, Any] = {"start_method": "spawn", "redirects": Std.NONE, "tee": Std.NONE}
     else:
         names = (
@@ -842,6 +849,8 @@ def start_processes(
     else:
         context = _function_context_class()(  # type: ignore[call-arg]
             name, entrypoint, args, envs, start_method=start_method, logs_specs=spec_obj, **extra)
+    if timestamps:
+        context.log_line_timestamps = True  # type: ignore[attr-defined]
     try:
         context.start()
     except BaseException:
