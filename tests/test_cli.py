@@ -24,7 +24,10 @@ import pytest
 import torchmp
 from torchmp import cli
 
-REPO = Path(__file__).resolve().parent.parent
+# Subprocesses import the torchmp these tests import (installed, or a built
+# source tree), and run from "/" so that `python -m` cannot pick up an
+# unbuilt source tree from the current directory.
+TORCHMP_PATH = str(Path(torchmp.__file__).resolve().parent.parent)
 TAG_VAR = "TORCHMP_TEST_TAG"
 
 ROW = re.compile(
@@ -68,7 +71,7 @@ class Cli:
     def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
         self.tag = uuid.uuid4().hex
         full_env = dict(os.environ)
-        full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
+        full_env["PYTHONPATH"] = TORCHMP_PATH + os.pathsep + full_env.get("PYTHONPATH", "")
         full_env[TAG_VAR] = self.tag
         full_env.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
         if env:
@@ -76,7 +79,7 @@ class Cli:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "torchmp", *args],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env=full_env, start_new_session=True, text=True, errors="replace",
+            env=full_env, cwd="/", start_new_session=True, text=True, errors="replace",
         )
 
     def communicate(self, timeout: float = 20) -> tuple[int, str, str]:
@@ -195,16 +198,16 @@ def test_success_env_output_files_and_summary(run, tmp_path):
 
 
 def test_console_script_entry_point_and_version(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=TORCHMP_PATH)
     # What the installed console script runs: torchmp.__main__:main.
     script = "import sys; from torchmp.__main__ import main; sys.exit(main())"
     p = subprocess.run([sys.executable, "-c", script, "run", "-n", "2", "--no-summary",
                         "--log-dir", str(tmp_path), "--", "echo", "hi"],
-                       capture_output=True, text=True, env=env, timeout=20)
+                       capture_output=True, text=True, env=env, cwd="/", timeout=20)
     assert p.returncode == 0, p.stderr
     assert sorted(p.stdout.splitlines()) == ["[echo0]:hi", "[echo1]:hi"]
     p = subprocess.run([sys.executable, "-m", "torchmp", "--version"],
-                       capture_output=True, text=True, env=env, timeout=20)
+                       capture_output=True, text=True, env=env, cwd="/", timeout=20)
     assert p.returncode == 0 and p.stdout.strip() == f"torchmp {torchmp.__version__}"
 
 
@@ -368,17 +371,40 @@ def test_recorded_exception_in_report(run, tmp_path):
     assert rows[0]["exit"] in ("0", "SIGTERM")  # done, or stopped by the fail-fast
 
 
-@pytest.mark.parametrize("kind,code", [("missing", 127), ("not-executable", 126)])
+@pytest.mark.parametrize("kind,code", [("missing", 127), ("not-executable", 126),
+                                       ("not-on-path", 127)])
 def test_command_cannot_run(run, tmp_path, kind, code):
+    extra = []
     if kind == "missing":
         cmd = str(tmp_path / "no-such-program")
-    else:
+    elif kind == "not-executable":
         cmd = str(tmp_path / "plain-file")
         Path(cmd).write_text("#!/bin/sh\n")
-    rc, out, err = run("run", "-n", "2", "--log-dir", str(tmp_path / "logs"), "--", cmd)
+    else:  # looked up on the PATH the workers get
+        cmd = "true"
+        extra = ["--env", f"PATH={tmp_path}"]
+    rc, out, err = run("run", "-n", "2", *extra, "--log-dir", str(tmp_path / "logs"), "--", cmd)
     assert rc == code
-    assert f"torchmp: error: cannot run {cmd!r}: " in err
+    assert err == f"torchmp: error: cannot run {cmd!r}: " + (
+        "No such file or directory\n" if code == 127 else "Permission denied\n")
+    assert out == "" and not (tmp_path / "logs").exists()
+
+
+def test_exec_format_error_is_126(run, tmp_path):
+    cmd = tmp_path / "no-shebang"
+    cmd.write_text("echo hi\n")
+    cmd.chmod(0o755)
+    rc, out, err = run("run", "-n", "2", "--log-dir", str(tmp_path / "logs"), "--", str(cmd))
+    assert rc == 126
+    assert f"torchmp: error: [Errno 8] Exec format error: '{cmd}'" in err
     assert out == ""
+
+
+def test_unusable_log_dir_is_an_error(run, tmp_path):
+    (tmp_path / "file").write_text("")
+    rc, out, err = run("run", "-n", "1", "--log-dir", str(tmp_path / "file" / "logs"), "--", "true")
+    assert rc == 1
+    assert "torchmp: error: " in err and "log directory" not in err
 
 
 # ---------------------------------------------------------------------------
@@ -397,10 +423,13 @@ def _wait_files(paths: list[Path], timeout: float = 10.0) -> list[int]:
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_terminates_workers(torchmp_cli, tmp_path, sig):
+    # Each worker has a grandchild in its process group (a background job,
+    # which a non-interactive sh starts with SIGINT ignored): it must go too.
     c = torchmp_cli("run", "-n", "2", "--log-dir", str(tmp_path / "logs"), "--",
-                    "sh", "-c", f'echo $$ > {tmp_path}/pid.$RANK.tmp; '
-                                f'mv {tmp_path}/pid.$RANK.tmp {tmp_path}/pid.$RANK; exec sleep 30')
+                    "sh", "-c", f'sleep 30 & echo $$ > {tmp_path}/pid.$RANK.tmp; '
+                                f'mv {tmp_path}/pid.$RANK.tmp {tmp_path}/pid.$RANK; wait')
     pids = _wait_files([tmp_path / "pid.0", tmp_path / "pid.1"])
+    assert len(tagged(c.tag)) == 5  # torchmp run, 2 workers, 2 grandchildren
     os.kill(c.proc.pid, sig)
     code, out, err = c.communicate()
     assert code == 128 + sig

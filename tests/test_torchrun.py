@@ -22,6 +22,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+import torchmp
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed.run")
 if not torch.distributed.is_available():  # pragma: no cover
@@ -29,7 +31,10 @@ if not torch.distributed.is_available():  # pragma: no cover
 
 pytestmark = pytest.mark.torch
 
-REPO = Path(__file__).resolve().parent.parent
+# Subprocesses import the torchmp these tests import (installed, or a built
+# source tree), and run from "/" so that `python -m` cannot pick up an
+# unbuilt source tree from the current directory.
+TORCHMP_PATH = str(Path(torchmp.__file__).resolve().parent.parent)
 TAG_VAR = "TORCHMP_TEST_TAG"
 
 TORCHMP = [sys.executable, "-m", "torchmp", "torchrun"]
@@ -91,7 +96,7 @@ class Launch:
     def __init__(self, argv: list[str], env: dict[str, str] | None = None, tag: str | None = None):
         self.tag = tag or uuid.uuid4().hex
         full_env = dict(os.environ)
-        full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
+        full_env["PYTHONPATH"] = TORCHMP_PATH + os.pathsep + full_env.get("PYTHONPATH", "")
         full_env[TAG_VAR] = self.tag
         full_env.setdefault("OMP_NUM_THREADS", "1")
         for key in list(full_env):
@@ -100,7 +105,7 @@ class Launch:
         if env:
             full_env.update(env)
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, env=full_env, text=True,
+                                     stderr=subprocess.PIPE, env=full_env, cwd="/", text=True,
                                      errors="replace", start_new_session=True)
 
     def communicate(self, timeout: float) -> tuple[int, str, str]:
@@ -169,10 +174,10 @@ def test_without_torch_exits_2(tmp_path):
                 return None
         sys.meta_path.insert(0, _NoTorch())
         """)
-    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}")
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{TORCHMP_PATH}")
     for argv in ([*TORCHMP, "--standalone", "x.py"],
                  [sys.executable, "-m", "torchmp.torchrun", "--standalone", "x.py"]):
-        p = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=30)
+        p = subprocess.run(argv, capture_output=True, text=True, env=env, cwd="/", timeout=30)
         assert p.returncode == 2, p.stderr
         assert "error: PyTorch is not installed" in p.stderr
         assert "'torchmp run' works without it" in p.stderr
@@ -442,3 +447,63 @@ def test_sigkilled_agent_leaves_no_workers(launch, tmp_path):
     os.kill(job.proc.pid, signal.SIGKILL)
     job.proc.wait(timeout=10)
     assert wait_no_tagged(job.tag) == [], pids
+
+
+# ---------------------------------------------------------------------------
+# The adapter's conversions, in process
+
+
+def test_results_convert_to_torch_classes_root_cause_first(tmp_path):
+    from torch.distributed.elastic.multiprocessing import api as torch_api
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from torchmp import RunProcsResult
+    from torchmp.errors import ProcessFailure as TmFailure
+    from torchmp.torchrun import TorchrunContext, to_torch_result
+
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    now = time.time_ns()
+    failures = {
+        # rank 0 was killed by the launcher after rank 1 failed, in the same second
+        0: TmFailure(0, 100, -15, "", timestamp_ns=now + 1000, terminated_by_launcher=True),
+        1: TmFailure(1, 101, 5, str(bad), timestamp_ns=now),
+    }
+    result = to_torch_result(RunProcsResult(failures=failures, stdouts={0: "", 1: ""},
+                                            stderrs={0: "", 1: ""}))
+    assert isinstance(result, torch_api.RunProcsResult) and result.is_failed()
+    assert list(result.failures) == [1, 0]  # root cause first for torch's min()
+    for rank, f in result.failures.items():
+        assert type(f) is ProcessFailure
+        assert (f.local_rank, f.pid, f.exitcode) == (failures[rank].local_rank,
+                                                     failures[rank].pid, failures[rank].exitcode)
+        assert f.timestamp == failures[rank].timestamp
+    # the malformed error file was read once, by torchmp, without raising
+    assert "bad.json" in str(result.failures[1].message)
+    assert result.failures[0].signal_name() == "SIGTERM"
+    err = ChildFailedError("job", result.failures)
+    assert err.get_first_failure()[0] == 1
+    assert "exitcode  : 5 (pid: 101)" in err.format_msg()
+    assert issubclass(TorchrunContext, torch_api.PContext)
+
+
+def test_signal_exception_converts_to_torch(tmp_path):
+    from torch.distributed.elastic.multiprocessing.api import SignalException as TorchSignal
+
+    import torchmp.api
+    from torchmp.torchrun import TorchrunContext
+
+    class Raising:
+        def wait(self, timeout, period):
+            raise torchmp.api.SignalException("got it", signal.SIGTERM)
+
+        def close(self, death_sig, timeout):
+            raise torchmp.api.SignalException("got it", signal.SIGINT)
+
+    ctx = TorchrunContext(Raising())  # type: ignore[arg-type]
+    with pytest.raises(TorchSignal) as e:
+        ctx.wait(0)
+    assert e.value.sigval == signal.SIGTERM and str(e.value) == "got it"
+    with pytest.raises(TorchSignal) as e:
+        ctx.close()
+    assert e.value.sigval == signal.SIGINT

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from torchmp._version import __version__
 
 try:
-    from torchmp import _core
+    from torchmp import _core as _core
 except ImportError as e:  # pragma: no cover - exercised by packaging tests
     raise ImportError(
         "torchmp's compiled core (torchmp._core) could not be imported; torchmp has no "
@@ -71,19 +71,20 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
 
 
+# Explicit "X as X" re-exports: __all__ is computed, so mypy cannot read it.
 if TYPE_CHECKING:
-    from torchmp._functions import MultiprocessContext
+    from torchmp._functions import MultiprocessContext as MultiprocessContext
     from torchmp.api import (
-        DefaultLogsSpecs,
-        LogsDest,
-        LogsSpecs,
-        PContext,
-        ResourceUsage,
-        RunProcsResult,
-        SignalException,
-        Std,
-        SubprocessContext,
-        start_processes,
-        to_map,
+        DefaultLogsSpecs as DefaultLogsSpecs,
+        LogsDest as LogsDest,
+        LogsSpecs as LogsSpecs,
+        PContext as PContext,
+        ResourceUsage as ResourceUsage,
+        RunProcsResult as RunProcsResult,
+        SignalException as SignalException,
+        Std as Std,
+        SubprocessContext as SubprocessContext,
+        start_processes as start_processes,
+        to_map as to_map,
     )
-    from torchmp.errors import ProcessFailure
+    from torchmp.errors import ProcessFailure as ProcessFailure

@@ -65,7 +65,7 @@ class ForkServer:
         self._owner = os.getpid()
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
-        self._group: Any = None
+        self._group: _core.Group | None = None
 
     # -- server process -----------------------------------------------------
     def _alive(self) -> bool:
@@ -259,7 +259,7 @@ def server_main() -> None:
 
     while True:
         try:
-            ready, _, _ = select.select([sock, wake_r], [], [])
+            ready, _, _ = select.select([sock, wake_r], [], [])  # type: ignore[type-var]
         except InterruptedError:
             continue
         if wake_r in ready:

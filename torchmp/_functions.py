@@ -188,7 +188,7 @@ class MultiprocessContext(_NativeContext):
                 self._close(signal.SIGKILL, timeout=5)
                 raise
             if pid == 0:
-                _fork_child(self.entrypoint, self.args[rank], self.envs[rank], ret_fd)  # never returns
+                _fork_child(self.entrypoint, self.args[rank], self.envs[rank], ret_fd)  # type: ignore[arg-type]  # never returns
 
     # -- results ----------------------------------------------------------------
     def _return_values(self, exited_ok: list[int]) -> dict[int, Any]:

@@ -26,7 +26,7 @@ FD_PAYLOAD = 4
 def _read_all(fd: int) -> bytes:
     """Read a payload file from its start (its offset is shared with the
     launcher's descriptor, so do not rely on it)."""
-    chunks = []
+    chunks: list[bytes] = []
     offset = 0
     while True:
         chunk = os.pread(fd, 1 << 20, offset)

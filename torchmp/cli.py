@@ -47,7 +47,7 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any, NoReturn
 
-from torchmp.api import SignalException, start_processes
+from torchmp.api import SignalException, resolve_executable, start_processes
 from torchmp.errors import ChildFailedError, ProcessFailure
 from torchmp.logs_specs import DefaultLogsSpecs, LogsDest, Std, to_map
 
@@ -72,7 +72,9 @@ class _UsageError(Exception):
 
 
 def timestamps_supported() -> bool:
-    """True if the native console framer can stamp each teed line with a time."""
+    """True if the native console framer can stamp each teed line with a time
+    (``_core.HAVE_LINE_TIMESTAMPS``; ``start_processes`` then takes
+    ``log_line_timestamps=True``)."""
     from torchmp import _core
 
     return bool(getattr(_core, "HAVE_LINE_TIMESTAMPS", False))
@@ -474,6 +476,9 @@ class _Run:
             log_dir = tempfile.mkdtemp(prefix="torchmp_")
         specs = _AnnouncingLogsSpecs(log_dir=log_dir, redirects=plan.redirects, tee=plan.tee,
                                      local_ranks_filter=plan.ranks_filter)
+        extra: dict[str, Any] = {}
+        if plan.timestamps:
+            extra["log_line_timestamps"] = True
         self.started = time.monotonic()
         self.ctx = start_processes(
             name=plan.name,
@@ -483,6 +488,7 @@ class _Run:
             logs_specs=specs,
             log_line_prefixes=plan.prefixes(),
             start_method=plan.start_method,
+            **extra,
         )
 
     def wait(self) -> None:
@@ -555,6 +561,14 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     except _UsageError as e:
         parser.error(str(e))
 
+    # A command that cannot be found or run: the shell's 127/126, before
+    # anything is created (PATH as the workers will see it).
+    try:
+        resolve_executable(plan.command[0], plan.user_env)
+    except OSError as e:
+        _say(f"error: cannot run {plan.command[0]!r}: {e.strerror or e}")
+        return 127 if isinstance(e, FileNotFoundError) else 126
+
     _configure_logging()
     run = _Run(plan)
     _install_handlers()  # before the first worker exists
@@ -564,12 +578,15 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
             run.wait()
         except SignalException as e:
             run.shut_down(e.sigval)
-        except FileNotFoundError as e:
-            _say(f"error: cannot run {plan.command[0]!r}: {e.strerror}")
-            return 127
-        except PermissionError as e:
-            _say(f"error: cannot run {plan.command[0]!r}: {e.strerror}")
-            return 126
+        except OSError as e:
+            # exec failed after all (e.g. ENOEXEC), or the log directory, a
+            # pipe or fork failed: nothing is left running (start_processes
+            # reaped what it had started).
+            _say(f"error: {e}")
+            if run.ctx is None and e.filename is not None and \
+                    os.fsdecode(e.filename) in (plan.command[0], os.path.basename(plan.command[0])):
+                return 127 if isinstance(e, FileNotFoundError) else 126
+            return 1
         run.report()
         return run.exit_code()
     except SignalException as e:

@@ -173,7 +173,7 @@ def _as_rank(key: object, what: str) -> int:
         )
     if key < 0:  # type: ignore[operator]
         raise ValueError(f"{what}: local rank keys must be >= 0, got {key!r}")
-    return int(key)  # type: ignore[call-overload]
+    return int(key)  # type: ignore[call-overload, no-any-return]
 
 
 def _as_std_setting(value: object, what: str) -> Std | dict[int, Std]:

@@ -41,7 +41,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from types import FrameType, ModuleType
+from types import FrameType
 from typing import Any
 
 import torchmp
@@ -70,12 +70,12 @@ class _Torch:
             from torch.distributed.elastic.multiprocessing import errors as mp_errors
         except ImportError as e:
             raise TorchNotAvailable(str(e)) from e
-        self.run: ModuleType = run
-        self.agent: ModuleType = local_elastic_agent
-        self.api: ModuleType = mp_api
-        self.ProcessFailure: type = mp_errors.ProcessFailure
-        self.SignalException: type = mp_api.SignalException
-        self.RunProcsResult: type = mp_api.RunProcsResult
+        self.run: Any = run
+        self.agent: Any = local_elastic_agent
+        self.api: Any = mp_api
+        self.ProcessFailure: Any = mp_errors.ProcessFailure
+        self.SignalException: Any = mp_api.SignalException
+        self.RunProcsResult: Any = mp_api.RunProcsResult
         # torch's own start_processes, before anyone patches the agent.
         self.start_processes: Callable[..., Any] = mp.start_processes
         # Let isinstance(ctx, torch's PContext) hold for the adapter.
@@ -98,7 +98,7 @@ def _load_torch() -> _Torch:
 
 def _torch_signal_exception(e: _tm_api.SignalException) -> BaseException:
     t = _load_torch()
-    return t.SignalException(str(e), sigval=e.sigval)
+    return t.SignalException(str(e), sigval=e.sigval)  # type: ignore[no-any-return]
 
 
 def _raise_torch_signal(signum: int, frame: FrameType | None) -> None:
