@@ -306,3 +306,23 @@ def test_user_subclass_of_pcontext_keeps_torch_polling_wait():
 
     fake = Fake()
     assert fake.wait(timeout=5, period=0.01) is not None and fake.polls == 3
+
+
+def test_low_nofile_is_raised_or_fails_cleanly(tmp_path):
+    script = f"""
+        import os, resource, sys
+        import torchmp
+        from torchmp import Std
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, {{hard}}))
+        ctx = torchmp.start_processes("w", "true", {{r: () for r in range(200)}}, {{r: {{}} for r in range(200)}},
+                                      torchmp.DefaultLogsSpecs(log_dir="{tmp_path}/logs", tee=Std.ALL))
+        r = ctx.wait(60)
+        ctx.close()
+        print(r.is_failed(), resource.getrlimit(resource.RLIMIT_NOFILE)[0] > 256)
+    """
+    # The hard limit allows more: the launcher raises its soft limit.
+    res = run_launcher(script.replace("{hard}", "4096"))
+    assert res.stdout == b"False True\n", res.stderr
+    # The hard limit does not: a clear error before anything starts.
+    res = run_launcher(script.replace("{hard}", "256"))
+    assert res.returncode == 1 and b"RLIMIT_NOFILE is 256" in res.stderr and b"OSError" in res.stderr

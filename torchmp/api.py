@@ -503,9 +503,44 @@ class _NativeContext(PContext):
             return (_core.STREAM_TEE, fd, 1 + which, self._prefix(rank), self.log_line_timestamps)
         return (_core.STREAM_FILE, fd, -1, None)
 
+    def _fds_needed(self) -> int:
+        """About how many fds the launcher holds for this context: per rank a
+        pidfd, a return channel and (while starting) a payload; per teed
+        stream a pipe and a log file; and some slack."""
+        teed = 0
+        for which, paths, tees in ((0, self.stdouts, self._logs_dest.tee_stdouts),
+                                   (1, self.stderrs, self._logs_dest.tee_stderrs)):
+            teed += sum(1 for rank in range(self.nprocs) if paths.get(rank) and rank in tees)
+        return 3 * self.nprocs + 2 * teed + 16
+
+    def _ensure_fd_budget(self) -> None:
+        """Raise the soft RLIMIT_NOFILE if this context needs it, or fail
+        with a clear error before anything starts (a launch that runs out of
+        fds half-way would have to tear down what it started)."""
+        try:
+            import resource
+
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            in_use = len(os.listdir("/proc/self/fd"))
+        except (ImportError, OSError):
+            return
+        needed = in_use + self._fds_needed()
+        if soft == resource.RLIM_INFINITY or needed <= soft:
+            return
+        if hard == resource.RLIM_INFINITY or needed <= hard:
+            new_soft = needed if hard == resource.RLIM_INFINITY else min(hard, max(needed, 2 * soft))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new_soft, hard))
+            logger.info("raised the soft RLIMIT_NOFILE from %s to %s for %s ranks", soft, new_soft, self.nprocs)
+            return
+        raise OSError(
+            errno.EMFILE,
+            f"starting {self.nprocs} ranks needs about {needed} open files but RLIMIT_NOFILE is "
+            f"{soft} (hard {hard}); raise it (ulimit -n) or tee fewer streams")
+
     def _start(self) -> None:
         if self._group is not None:
             raise ValueError("The workers are already started. Most likely start() got called twice.")
+        self._ensure_fd_budget()
         opened: list[int] = []
         try:
             filtered: list[tuple[list[bytes] | None, int]] = []
