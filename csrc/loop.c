@@ -40,6 +40,11 @@
 #endif
 #ifdef TORCHMP_HAVE_PIDFD
 #include <sys/syscall.h>
+/* Build hosts with kernel headers older than 5.3 (the manylinux images) do not
+ * name it; the number is the same on every architecture (the unified table). */
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
 #endif
 
 #define READ_CHUNK (1024 * 1024)
@@ -81,6 +86,8 @@ struct torchmp_proc {
     int rank;
     int pidfd;
     int foreign;               /* a forkserver's child: exits come as a trailer */
+    int foreign_gone;          /* its pidfd fired: the trailer is on its way */
+    int exiting;               /* proc_record_exit is running for it */
     /* fields below `mu` guards, Python reads them */
     torchmp_proc_info info;
     stream streams[STREAM_COUNT];
@@ -270,6 +277,8 @@ static torchmp_line_sinks stream_sinks(stream *s)
 /* Console slot for a stream that is not printed at all. */
 static int no_console = -1;
 
+static void proc_foreign_exit(torchmp_loop *L, torchmp_proc *p, int at_eof);
+
 static void capture_append(torchmp_loop *L, stream *s, const char *data, size_t len)
 {
     pthread_mutex_lock(&L->mu);
@@ -298,6 +307,8 @@ static void stream_consume(torchmp_loop *L, stream *s, const char *data, size_t 
     torchmp_line_sinks sinks;
     if (s->which == STREAM_RET) {
         capture_append(L, s, data, len);
+        if (s->proc->foreign_gone)
+            proc_foreign_exit(L, s->proc, 0);
         return;
     }
     sinks = stream_sinks(s);
@@ -323,7 +334,6 @@ static void stream_flush_partial(stream *s)
     torchmp_framer_flush(&s->framer, &sinks);
 }
 
-static void proc_foreign_exit(torchmp_loop *L, torchmp_proc *p);
 
 static void stream_maybe_grow(torchmp_loop *L, stream *s, size_t just_read)
 {
@@ -359,8 +369,8 @@ static void stream_close(torchmp_loop *L, stream *s)
     close_fd(&s->fd);
     close_fd(&s->log_fd);
     p->group->open_streams--;
-    if (s->which == STREAM_RET && p->foreign && p->info.state == TORCHMP_PROC_RUNNING)
-        proc_foreign_exit(L, p);
+    if (s->which == STREAM_RET && p->foreign && p->info.state == TORCHMP_PROC_RUNNING && !p->exiting)
+        proc_foreign_exit(L, p, 1);
 }
 
 /* Read what is there.  limit < 0: until EAGAIN or EOF (at most a few chunks,
@@ -440,6 +450,7 @@ static void proc_record_exit(torchmp_loop *L, torchmp_proc *p, int status, int64
     int64_t now_mono = clock_ns(CLOCK_MONOTONIC);
     int64_t now_real = clock_ns(CLOCK_REALTIME);
 
+    p->exiting = 1;
     for (int w = 0; w < STREAM_COUNT; w++)
         stream_drain_buffered(L, &p->streams[w]);
     if (p->pidfd >= 0) {
@@ -460,6 +471,7 @@ static void proc_record_exit(torchmp_loop *L, torchmp_proc *p, int status, int64
     p->group->version++;
     pthread_mutex_unlock(&L->mu);
     p->group->running--;
+    p->exiting = 0;
     group_notify(p->group);
 }
 
@@ -487,14 +499,19 @@ static int proc_try_reap(torchmp_loop *L, torchmp_proc *p)
 }
 
 /* A forkserver worker is not our child: its exit status arrives as a
- * trailer the forkserver appends to the worker's return channel, and the
- * channel's EOF is the exit event.  No trailer means the forkserver died. */
-static void proc_foreign_exit(torchmp_loop *L, torchmp_proc *p)
+ * trailer the forkserver appends to the worker's return channel once it has
+ * reaped the worker.  The exit is recorded when the trailer is there and the
+ * worker is gone (its pidfd fired: a grandchild it forked may keep the
+ * channel open), or at the channel's EOF.  EOF without a trailer means the
+ * forkserver died. */
+static void proc_foreign_exit(torchmp_loop *L, torchmp_proc *p, int at_eof)
 {
     stream *s = &p->streams[STREAM_RET];
     torchmp_exit_trailer t;
     int found = 0;
 
+    if (p->exiting || p->info.state != TORCHMP_PROC_RUNNING)
+        return;
     pthread_mutex_lock(&L->mu);
     if (s->capture_len >= sizeof(t) &&
         memcmp(s->capture + s->capture_len - sizeof(t), TORCHMP_EXIT_TRAILER_MAGIC, 8) == 0) {
@@ -505,7 +522,7 @@ static void proc_foreign_exit(torchmp_loop *L, torchmp_proc *p)
     pthread_mutex_unlock(&L->mu);
     if (found)
         proc_record_exit(L, p, (int)t.wait_status, t.utime_ns, t.stime_ns, t.maxrss_kb, 0);
-    else
+    else if (at_eof)
         proc_record_exit(L, p, SIGKILL, 0, 0, 0, 1);
 }
 
@@ -629,7 +646,7 @@ static int rank_adopt(torchmp_loop *L, torchmp_proc *p, pid_t pid, int foreign, 
         return -1;
     }
 #ifdef TORCHMP_HAVE_PIDFD
-    if (L->backend == TORCHMP_BACKEND_EPOLL && !foreign) {
+    if (L->backend == TORCHMP_BACKEND_EPOLL) {
         p->pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
         if (p->pidfd < 0 || torchmp_poller_add(L->poller, p->pidfd, p) != 0) {
             int status;
@@ -877,8 +894,18 @@ static void *loop_main(void *arg)
                     stream_pump(L, s, -1);
             } else if (kind == WATCH_PROC) {
                 torchmp_proc *p = events[i].ptr;
-                if (p->info.state == TORCHMP_PROC_RUNNING)
+                if (p->info.state != TORCHMP_PROC_RUNNING || p->pidfd < 0)
+                    continue;
+                if (p->foreign) {
+                    /* Not ours to reap: wait for the forkserver's trailer. */
+                    (void)torchmp_poller_del(L->poller, p->pidfd);
+                    close_fd(&p->pidfd);
+                    p->foreign_gone = 1;
+                    stream_pump(L, &p->streams[STREAM_RET], -1);
+                    proc_foreign_exit(L, p, 0);
+                } else {
                     (void)proc_try_reap(L, p);
+                }
             }
         }
         collect_groups(L);

@@ -27,6 +27,12 @@
 #if defined(TORCHMP_HAVE_CLOSE_RANGE) || defined(TORCHMP_HAVE_PROC_FD_DIR)
 #include <sys/syscall.h>
 #endif
+/* Build hosts with kernel headers older than 5.9 (the manylinux images) do not
+ * name it; the number is the same on every architecture (the unified table).
+ * An older running kernel answers ENOSYS and the fallbacks below take over. */
+#if defined(TORCHMP_HAVE_CLOSE_RANGE) && !defined(SYS_close_range)
+#define SYS_close_range 436
+#endif
 
 static const char *const step_names[TORCHMP_STEP__COUNT] = {
     [TORCHMP_STEP_NONE] = "none",

@@ -78,6 +78,9 @@ def popen_launcher(script: str, *, env=None, **kwargs) -> subprocess.Popen:
     so that `python -c` cannot pick up an unbuilt source tree from the cwd.
     """
     full_env = dict(os.environ)
+    # Wherever this torchmp came from (installed, or a built source tree).
+    origin = str(Path(torchmp.__file__).resolve().parent.parent)
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (origin, full_env.get("PYTHONPATH")) if p)
     if env:
         full_env.update(env)
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], env=full_env,

@@ -72,7 +72,15 @@ class ForkServer:
         if self._group is None or self._sock is None:
             return False
         _, ranks = self._group.snapshot()
-        return ranks[0][0] == _core.PROC_RUNNING
+        if ranks[0][0] != _core.PROC_RUNNING:
+            return False
+        # The I/O thread may not have seen a fresh death yet; the socket
+        # knows at once (an idle server never writes: readable means EOF).
+        try:
+            readable, _, _ = select.select([self._sock], [], [], 0)
+            return not readable or self._sock.recv(1, socket.MSG_PEEK) != b""
+        except OSError:
+            return False
 
     def _start(self) -> None:
         self._stop()
@@ -127,7 +135,7 @@ class ForkServer:
             sent = socket.send_fds(self._sock, [message], fds)
             if sent < len(message):
                 self._sock.sendall(message[sent:])
-        except OSError as e:
+        except OSError as e:  # EPIPE, ECONNRESET: the server is gone
             raise ForkServerDied(f"the torchmp forkserver is gone ({e})") from None
 
     def _recv_reply(self) -> int:
@@ -141,7 +149,10 @@ class ForkServer:
             ready, _, _ = select.select([self._sock], [], [], remaining)
             if not ready:
                 continue
-            chunk = self._sock.recv(_REPLY.size - len(buf))
+            try:
+                chunk = self._sock.recv(_REPLY.size - len(buf))
+            except OSError as e:
+                raise ForkServerDied(f"the torchmp forkserver is gone ({e})") from None
             if not chunk:
                 raise ForkServerDied("the torchmp forkserver died")
             buf += chunk
@@ -315,8 +326,7 @@ def _server_child(server_pid: int, sock: socket.socket, wake_r: int, wake_w: int
             if fd > 2:
                 os.close(fd)
         fn, args, env = pickle.loads(body)
-        for key, value in env.items():
-            os.environ[str(key)] = value if isinstance(value, str) else str(value)
+        _worker.apply_env(env)
     except BaseException as e:
         import traceback
 

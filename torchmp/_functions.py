@@ -142,6 +142,11 @@ class MultiprocessContext(_NativeContext):
 
     # -- launching ------------------------------------------------------------
     def _launch(self, group: Any, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
+        if self.start_method != "fork" and "__main__" in sys.modules:
+            # Workers re-import the main module as __mp_main__, so objects of
+            # its classes come back pickled under that name (multiprocessing
+            # sets up the same alias).
+            sys.modules.setdefault("__mp_main__", sys.modules["__main__"])
         if self.start_method == "spawn":
             self._launch_spawn(group, streams)
         elif self.start_method == "fork":
@@ -199,13 +204,15 @@ class MultiprocessContext(_NativeContext):
 
     def _return_value(self, rank: int) -> Any:
         if rank not in self._return_values_cache:
-            blob = self._return_blobs.pop(rank, b"")
+            # Kept until it unpickles: a failed attempt must fail again next time.
+            blob = self._return_blobs.get(rank, b"")
             try:
                 self._return_values_cache[rank] = pickle.loads(blob) if blob else None
             except Exception as e:
                 raise RuntimeError(
                     f"the return value of local rank {rank} ({len(blob)} bytes) could not be "
                     f"unpickled in the launcher: {e!r}") from e
+            self._return_blobs.pop(rank, None)
         return self._return_values_cache[rank]
 
     def _before_release(self, group: Any) -> None:
@@ -225,9 +232,8 @@ def _fork_child(fn: Callable[..., Any], args: tuple[Any, ...], env: dict[str, An
     try:
         for sig in _LAUNCHER_SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
-        for key, value in env.items():
-            os.environ[key if isinstance(key, str) else os.fsdecode(key)] = (
-                value if isinstance(value, str) else os.fsdecode(value) if isinstance(value, bytes) else str(value))
+        _worker.fresh_stdio()
+        _worker.apply_env(env)
     except BaseException:
         os._exit(1)
     _worker.run(fn, args, ret_fd)

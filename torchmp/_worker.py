@@ -101,6 +101,30 @@ def decode_payload(data: bytes) -> tuple[dict[str, Any], bytes]:
 
 # --- running the function ----------------------------------------------------
 
+def apply_env(env: dict[Any, Any]) -> None:
+    """Put envs[rank] into os.environ the way an exec'd worker gets it:
+    bytes taken as raw (filesystem-encoded) bytes, anything else via str()."""
+    for key, value in env.items():
+        k = os.fsdecode(key) if isinstance(key, bytes) else str(key)
+        v = os.fsdecode(value) if isinstance(value, bytes) else value if isinstance(value, str) else str(value)
+        os.environ[k] = v
+
+
+def fresh_stdio() -> None:
+    """Make sys.stdout/sys.stderr write to fds 1/2 again.
+
+    A forked worker inherits the launcher's stream objects, which need not be
+    fds 1/2 (pytest capture, Jupyter, a launcher that reassigned them): the
+    redirect is on the fds, so print() must go there too."""
+    import io
+
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        old = getattr(sys, name)
+        encoding = getattr(old, "encoding", None) or "utf-8"
+        errors = getattr(old, "errors", None) or ("backslashreplace" if fd == 2 else "strict")
+        setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=encoding,
+                                            errors=errors, line_buffering=fd == 2))
+
 def _record(exc: BaseException) -> None:
     """Write error.json like ``@record`` would (imported only on failure)."""
     try:

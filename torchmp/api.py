@@ -439,6 +439,9 @@ class _NativeContext(PContext):
 
     # torchmp extension: a UTC time after the prefix of every teed console line.
     log_line_timestamps: bool = False
+    # How long siblings get after SIGTERM when a rank fails, before SIGKILL
+    # (torch's fixed 30 s by default).
+    fail_fast_timeout: float = 30
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -491,7 +494,9 @@ class _NativeContext(PContext):
             text = f"[{self.name}{rank}]:"
         return os.fsencode(text)
 
-    def _stream_spec(self, rank: int, which: int, opened: list[int]) -> tuple[int, int, int, bytes | None]:
+    def _stream_spec(
+        self, rank: int, which: int, opened: list[int]
+    ) -> tuple[int, int, int, bytes | None] | tuple[int, int, int, bytes | None, bool]:
         paths = self.stdouts if which == 0 else self.stderrs
         tees = self._logs_dest.tee_stdouts if which == 0 else self._logs_dest.tee_stderrs
         path = paths.get(rank, "")
@@ -589,11 +594,9 @@ class _NativeContext(PContext):
         if not self._decided(ranks) and not self._closed:
             return None
         running = {r for r, info in enumerate(ranks) if info[0] == _core.PROC_RUNNING}
-        if running:
-            # Fail-fast: the first failure terminates the siblings, whose
-            # exits are recorded too but are never the root cause.
-            self._terminated_by_launcher |= running
-        self.close()
+        # Fail-fast: the first failure terminates the siblings, whose exits
+        # are recorded too but are never the root cause.
+        self.close(timeout=self.fail_fast_timeout)  # type: ignore[arg-type]
         _, ranks = self._snapshot()
         self._result = self._build_result(ranks)
         return self._result
@@ -645,10 +648,13 @@ class _NativeContext(PContext):
                 failures.values(),
                 key=lambda f: (f.terminated_by_launcher, f.precise_timestamp_ns),
             )
-            logger.error(
-                "failed (exitcode: %s) local_rank: %s (pid: %s) of %s",
-                first.exitcode, first.local_rank, first.pid, self.entrypoint,
-            )
+            if first.terminated_by_launcher:
+                logger.info("%s: every failed rank was terminated by the launcher (close())", self.name)
+            else:
+                logger.error(
+                    "failed (exitcode: %s) local_rank: %s (pid: %s) of %s",
+                    first.exitcode, first.local_rank, first.pid, self.entrypoint,
+                )
         else:
             result.return_values = self._return_values(exited_ok)
         return result
@@ -691,6 +697,7 @@ class _NativeContext(PContext):
         group = self._group
         pids = self.pids()
         running = self._running()
+        self._terminated_by_launcher |= set(running)
         if running:
             for rank in running:
                 logger.warning("Sending process %s closing signal %s", pids.get(rank), death_sig.name)
