@@ -22,7 +22,6 @@ import psutil
 import pytest
 
 import torchmp
-from torchmp import cli
 
 # Subprocesses import the torchmp these tests import (installed, or a built
 # source tree), and run from "/" so that `python -m` cannot pick up an
@@ -523,16 +522,20 @@ def test_missing_nproc_and_top_level_usage(run):
     assert code == 2 and "invalid choice: 'bogus'" in err
 
 
-def test_timestamps_option(run, tmp_path):
-    code, out, err = run("run", "-n", "1", "--timestamps", "--log-dir", str(tmp_path / "logs"),
-                         "--", "echo", "hi")
-    if not cli.timestamps_supported():
-        assert code == 2
-        assert "torchmp run: error: --timestamps is not supported yet" in err
-        assert out == ""
-    else:  # pragma: no cover - once the native framer stamps lines
-        assert code == 0
-        assert re.fullmatch(r"\S*\d\d:\d\d:\d\d\S* ?\[echo0\]:hi\n|\[echo0\]:\S*\d\d:\d\d:\d\d\S* ?hi\n", out)
+def test_timestamps(run, tmp_path):
+    code, out, err = run("run", "-n", "2", "--timestamps", "--no-summary",
+                         "--log-dir", str(tmp_path), "--",
+                         "sh", "-c", 'echo "out $RANK"; echo "err $RANK" >&2; printf "last $RANK"')
+    assert code == 0, err
+    stamp = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z"
+    lines = sorted(out.splitlines())
+    assert len(lines) == 4
+    for rank in range(2):
+        assert re.fullmatch(rf"\[sh{rank}\]:{stamp} last {rank}", lines[2 * rank]), lines
+        assert re.fullmatch(rf"\[sh{rank}\]:{stamp} out {rank}", lines[2 * rank + 1]), lines
+        assert re.search(rf"^\[sh{rank}\]:{stamp} err {rank}$", err, re.M), err
+        # the files keep the worker's bytes
+        assert (log_dir_of(err) / str(rank) / "stdout.log").read_text() == f"out {rank}\nlast {rank}"
 
 
 def test_command_after_options_without_double_dash(run, tmp_path):

@@ -71,15 +71,6 @@ class _UsageError(Exception):
     pass
 
 
-def timestamps_supported() -> bool:
-    """True if the native console framer can stamp each teed line with a time
-    (``_core.HAVE_LINE_TIMESTAMPS``; ``start_processes`` then takes
-    ``log_line_timestamps=True``)."""
-    from torchmp import _core
-
-    return bool(getattr(_core, "HAVE_LINE_TIMESTAMPS", False))
-
-
 # ---------------------------------------------------------------------------
 # Parsing
 
@@ -130,7 +121,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                         f"torchmp run itself (the workers do not exist yet) (default: "
                         f"'{DEFAULT_PREFIX}')")
     p.add_argument("--timestamps", action="store_true",
-                   help="start every teed console line with the time it was read")
+                   help="stamp every teed console line, after its prefix, with the UTC time "
+                        "it was read (e.g. 2026-11-29T09:54:05.123Z); the log files keep the "
+                        "workers' exact bytes")
     p.add_argument("--start-method", default="spawn", choices=("spawn", "fork", "forkserver"),
                    help="accepted for torchrun compatibility; it only matters for Python "
                         "function entrypoints, and torchmp run starts binaries (fork+exec)")
@@ -276,9 +269,6 @@ class _Plan:
             raise _UsageError(f"--master-port must be in 1..65535, got {args.master_port}")
         if not args.shutdown_timeout >= 0:
             raise _UsageError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
-        if args.timestamps and not timestamps_supported():
-            raise _UsageError("--timestamps is not supported yet by this build of torchmp "
-                              "(the native console framer cannot stamp lines)")
         self.command = command
         self.nproc: int = args.nproc
         self.name: str = args.name if args.name is not None else default_name(command)
