@@ -347,6 +347,26 @@ cdef class Group:
                 free(<void *>cspecs[i].args.envp)
             free(cspecs)
 
+    cdef int _prepare(self, int rank, tuple out, tuple errspec, tuple ret, torchmp_rank_spec *spec) except -1:
+        """Open rank's streams on the I/O thread; the worker-side fds land in
+        spec.args.child_fds[1..3]."""
+        cdef torchmp_exec_error err
+        cdef list keep = []
+        cdef int rc, j
+        self._ours()
+        memset(spec, 0, sizeof(torchmp_rank_spec))
+        memset(&err, 0, sizeof(err))
+        for j in range(TORCHMP_CHILD_FDS):
+            spec.args.child_fds[j] = -1
+        stream_spec_fill(&spec.out, out, keep)
+        stream_spec_fill(&spec.err, errspec, keep)
+        stream_spec_fill(&spec.ret, ret, keep)
+        with nogil:
+            rc = torchmp_group_prepare(self.g, rank, spec, &err)
+        if rc != 0:
+            raise exec_error(err.step, err.errnum, None)
+        return 0
+
     def fork_rank(self, int rank, tuple out, tuple errspec, tuple ret, bint pdeathsig):
         """fork() the calling (Python) thread for rank, through CPython's
         before/after-fork hooks.
@@ -360,21 +380,9 @@ cdef class Group:
         cdef torchmp_rank_spec spec
         cdef torchmp_spawn_args setup
         cdef torchmp_exec_error err
-        cdef list keep = []
         cdef int rc, saved, step, j, ret_fd
         cdef pid_t pid, parent = getpid()
-        self._ours()
-        memset(&spec, 0, sizeof(spec))
-        memset(&err, 0, sizeof(err))
-        for j in range(TORCHMP_CHILD_FDS):
-            spec.args.child_fds[j] = -1
-        stream_spec_fill(&spec.out, out, keep)
-        stream_spec_fill(&spec.err, errspec, keep)
-        stream_spec_fill(&spec.ret, ret, keep)
-        with nogil:
-            rc = torchmp_group_prepare(self.g, rank, &spec, &err)
-        if rc != 0:
-            raise exec_error(err.step, err.errnum, None)
+        self._prepare(rank, out, errspec, ret, &spec)
         # In a Python child the return channel stays where it is: fd 3 may
         # be something of the interpreter's.
         setup = spec.args
@@ -423,21 +431,7 @@ cdef class Group:
         has them; FILE targets are the caller's own fds, returned as given.
         """
         cdef torchmp_rank_spec spec
-        cdef torchmp_exec_error err
-        cdef list keep = []
-        cdef int rc, j
-        self._ours()
-        memset(&spec, 0, sizeof(spec))
-        memset(&err, 0, sizeof(err))
-        for j in range(TORCHMP_CHILD_FDS):
-            spec.args.child_fds[j] = -1
-        stream_spec_fill(&spec.out, out, keep)
-        stream_spec_fill(&spec.err, errspec, keep)
-        stream_spec_fill(&spec.ret, ret, keep)
-        with nogil:
-            rc = torchmp_group_prepare(self.g, rank, &spec, &err)
-        if rc != 0:
-            raise exec_error(err.step, err.errnum, None)
+        self._prepare(rank, out, errspec, ret, &spec)
         return spec.args.child_fds[1], spec.args.child_fds[2], spec.args.child_fds[3]
 
     def adopt(self, int rank, int pid, bint foreign):

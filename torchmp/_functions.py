@@ -41,18 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torchmp import _core, _worker
-from torchmp.api import (
-    _CAPTURE,
-    _ExecPlan,
-    _NativeContext,
-    _check_filters,
-    _check_name,
-    _check_prefixes,
-    _exec_env,
-    _normalize_args,
-    _normalize_envs,
-    logger,
-)
+from torchmp.api import _CAPTURE, _ExecPlan, _NativeContext, _exec_env, logger
 from torchmp.logs_specs import LogsSpecs
 
 __all__ = ["MultiprocessContext"]
@@ -119,26 +108,21 @@ class MultiprocessContext(_NativeContext):
         duplicate_stdout_filters: list[str] | None = None,
         duplicate_stderr_filters: list[str] | None = None,
     ) -> None:
-        name = _check_name(name)
-        if not callable(entrypoint):
-            raise TypeError(f"MultiprocessContext needs a callable entrypoint, got {type(entrypoint).__name__}")
         if start_method not in START_METHODS:
             raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
-        if numa_options is not None:
-            raise NotImplementedError("numa_options is not supported by torchmp; pass None")
-        args = _normalize_args(args)
-        envs = _normalize_envs(envs, len(args))
-        log_line_prefixes = _check_prefixes(log_line_prefixes, len(args))
-        duplicate_stdout_filters = _check_filters(duplicate_stdout_filters, "duplicate_stdout_filters")
-        duplicate_stderr_filters = _check_filters(duplicate_stderr_filters, "duplicate_stderr_filters")
-        _check_picklable(start_method, entrypoint, args)
         self.start_method = start_method
         super().__init__(
-            name, entrypoint, args, envs, logs_specs, log_line_prefixes,
+            name, entrypoint, args, envs, logs_specs, log_line_prefixes, numa_options,
             duplicate_stdout_filters, duplicate_stderr_filters,
         )
         self._return_values_cache: dict[int, Any] = {}
         self._return_blobs: dict[int, bytes] = {}
+
+    def _check_entrypoint(self, entrypoint: Any, args: dict[int, tuple[Any, ...]],
+                          envs: dict[int, dict[str, str]]) -> None:
+        if not callable(entrypoint):
+            raise TypeError(f"MultiprocessContext needs a callable entrypoint, got {type(entrypoint).__name__}")
+        _check_picklable(self.start_method, entrypoint, args)
 
     # -- launching ------------------------------------------------------------
     def _launch(self, group: Any, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:

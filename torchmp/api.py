@@ -443,8 +443,32 @@ class _NativeContext(PContext):
     # (torch's fixed 30 s by default).
     fail_fast_timeout: float = 30
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        name: str,
+        entrypoint: Callable[..., Any] | str,
+        args: dict[int, tuple[Any, ...]],
+        envs: dict[int, dict[str, str]],
+        logs_specs: LogsSpecs,
+        log_line_prefixes: dict[int, str] | None = None,
+        numa_options: Any = None,
+        duplicate_stdout_filters: list[str] | None = None,
+        duplicate_stderr_filters: list[str] | None = None,
+    ) -> None:
+        # Every check runs before reify() creates any directory.
+        name = _check_name(name)
+        if numa_options is not None:
+            raise NotImplementedError("numa_options is not supported by torchmp; pass None")
+        args = _normalize_args(args)
+        envs = _normalize_envs(envs, len(args))
+        log_line_prefixes = _check_prefixes(log_line_prefixes, len(args))
+        duplicate_stdout_filters = _check_filters(duplicate_stdout_filters, "duplicate_stdout_filters")
+        duplicate_stderr_filters = _check_filters(duplicate_stderr_filters, "duplicate_stderr_filters")
+        self._check_entrypoint(entrypoint, args, envs)
+        super().__init__(
+            name, entrypoint, args, envs, logs_specs, log_line_prefixes,
+            duplicate_stdout_filters, duplicate_stderr_filters,
+        )
         self._group: Any = None
         self._result: RunProcsResult | None = None
         self._closed = False
@@ -453,7 +477,13 @@ class _NativeContext(PContext):
         # The last snapshot, kept once close() has released the native group.
         self._final: tuple[int, list[tuple[Any, ...]]] | None = None
 
-    # -- how to start (subclass) ------------------------------------------
+    # -- what and how to start (subclass) -----------------------------------
+    @abc.abstractmethod
+    def _check_entrypoint(self, entrypoint: Any, args: dict[int, tuple[Any, ...]],
+                          envs: dict[int, dict[str, str]]) -> None:
+        """Reject an entrypoint or args this context cannot start."""
+        raise NotImplementedError
+
     @abc.abstractmethod
     def _launch(self, group: Any, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
         """Start every rank in ``group``; ``streams[rank]`` is its (stdout,
@@ -743,26 +773,21 @@ class SubprocessContext(_NativeContext):
         duplicate_stdout_filters: list[str] | None = None,
         duplicate_stderr_filters: list[str] | None = None,
     ) -> None:
-        name = _check_name(name)
+        super().__init__(
+            name, entrypoint, args, envs, logs_specs, log_line_prefixes, numa_options,
+            duplicate_stdout_filters, duplicate_stderr_filters,
+        )
+
+    def _check_entrypoint(self, entrypoint: Any, args: dict[int, tuple[Any, ...]],
+                          envs: dict[int, dict[str, str]]) -> None:
         if not isinstance(entrypoint, str):
             raise TypeError(f"SubprocessContext needs a str entrypoint, got {type(entrypoint).__name__}")
-        if numa_options is not None:
-            raise NotImplementedError("numa_options is not supported by torchmp; pass None")
-        args = _normalize_args(args)
-        envs = _normalize_envs(envs, len(args))
-        log_line_prefixes = _check_prefixes(log_line_prefixes, len(args))
-        duplicate_stdout_filters = _check_filters(duplicate_stdout_filters, "duplicate_stdout_filters")
-        duplicate_stderr_filters = _check_filters(duplicate_stderr_filters, "duplicate_stderr_filters")
         # Resolve now, so a missing binary fails before any directory exists.
         self._paths = {rank: resolve_executable(entrypoint, envs[rank]) for rank in range(len(args))}
         for rank, argv in args.items():
             for a in argv:
                 if "\0" in (a if isinstance(a, str) else str(a)):
                     raise ValueError(f"args[{rank}]: argument {a!r} contains a NUL byte")
-        super().__init__(
-            name, entrypoint, args, envs, logs_specs, log_line_prefixes,
-            duplicate_stdout_filters, duplicate_stderr_filters,
-        )
 
     def _launch(self, group: Any, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
         plans = []
