@@ -307,7 +307,7 @@ static void stream_consume(torchmp_loop *L, stream *s, const char *data, size_t 
     torchmp_line_sinks sinks;
     if (s->which == STREAM_RET) {
         capture_append(L, s, data, len);
-        if (s->proc->foreign_gone)
+        if (s->proc->foreign)
             proc_foreign_exit(L, s->proc, 0);
         return;
     }
@@ -512,6 +512,11 @@ static void proc_foreign_exit(torchmp_loop *L, torchmp_proc *p, int at_eof)
 
     if (p->exiting || p->info.state != TORCHMP_PROC_RUNNING)
         return;
+    /* Bytes that merely look like a trailer count only once the worker is
+     * gone (the forkserver writes the trailer after reaping it).  Without a
+     * pidfd (poll backend) ask the kernel whether the pid still exists. */
+    if (!at_eof && !p->foreign_gone && !(kill(p->info.pid, 0) != 0 && errno == ESRCH))
+        return;
     pthread_mutex_lock(&L->mu);
     if (s->capture_len >= sizeof(t) &&
         memcmp(s->capture + s->capture_len - sizeof(t), TORCHMP_EXIT_TRAILER_MAGIC, 8) == 0) {
@@ -552,7 +557,7 @@ static int stream_open(torchmp_loop *L, torchmp_proc *p, int which, const torchm
     if (spec->mode != TORCHMP_STREAM_TEE && spec->mode != TORCHMP_STREAM_CAPTURE)
         return 0;
 
-    if (pipe2(pfd, O_CLOEXEC) != 0)
+    if (torchmp_pipe_cloexec(pfd) != 0)
         return -1;
     if (fcntl(pfd[0], F_SETFL, O_NONBLOCK) != 0)
         goto fail;
@@ -885,9 +890,11 @@ static void *loop_main(void *arg)
             int kind = *(int *)events[i].ptr;
             if (kind == WATCH_CONTROL) {
                 notify_drain(L->wake_r);
+                run_commands(L);
+                /* After the commands: a worker adopted just now may already
+                 * have exited, its SIGCHLD spent on this very wake-up. */
                 if (L->backend == TORCHMP_BACKEND_POLL)
                     reap_scan(L);
-                run_commands(L);
             } else if (kind == WATCH_STREAM) {
                 stream *s = events[i].ptr;
                 if (s->fd >= 0)

@@ -21,11 +21,16 @@ from torchmp import _core
 
 
 def _open_fds() -> set[int]:
-    dirfd = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        return {int(fd) for fd in os.listdir(dirfd)} - {dirfd}
-    finally:
-        os.close(dirfd)
+    # listdir opens a descriptor of its own while it reads; keep only fds
+    # that still exist afterwards.
+    fds = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        fds.add(int(name))
+    return fds
 
 
 def _fd_target(fd: int) -> str:

@@ -116,11 +116,6 @@ def return_lock():
     return threading.Lock()
 
 
-def sleep_then_return(seconds: float, value=None):
-    time.sleep(seconds)
-    return value
-
-
 def raise_or_sleep(rank: int, fail_rank: int, delay: float, pidfile: str):
     with open(pidfile, "a") as f:
         f.write(f"{os.getpid()}\n")
@@ -164,3 +159,66 @@ def ident():
 def sigterm_disposition() -> bool:
     """True if SIGTERM has its default action in the worker."""
     return signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def segfault():
+    import ctypes
+
+    ctypes.string_at(0)
+
+
+def fork_lingering_grandchild(pidfile: str, seconds: float = 30):
+    """Fork (without exec) a grandchild that outlives us and inherits every
+    fd we have, then return."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            time.sleep(seconds)
+        finally:
+            os._exit(0)
+    with open(pidfile, "a") as f:
+        f.write(f"{pid}\n")
+    print("worker done", flush=True)
+    return 42
+
+
+def _refuse_to_unpickle():
+    raise RuntimeError("this object refuses to be unpickled")
+
+
+class UnpicklableInLauncher:
+    """Pickles fine in the worker; unpickling it fails in the launcher."""
+
+    def __reduce__(self):
+        return (_refuse_to_unpickle, ())
+
+
+def return_unpicklable_in_launcher():
+    return UnpicklableInLauncher()
+
+
+def arg_digest(data: bytes):
+    import hashlib
+
+    return len(data), hashlib.sha256(data).hexdigest()
+
+
+def burn_cpu(seconds: float) -> int:
+    """Spin for about `seconds` of CPU time and touch ~32 MB."""
+    block = bytearray(32 << 20)
+    for i in range(0, len(block), 4096):
+        block[i] = 1
+    end = time.process_time() + seconds
+    n = 0
+    while time.process_time() < end:
+        n += 1
+    return len(block)
+
+
+def loaded_modules(names: tuple[str, ...]) -> dict[str, bool]:
+    return {name: name in sys.modules for name in names}
+
+
+def exit_now(code: int = 0):
+    """Exit at once, skipping everything (the fastest possible worker)."""
+    os._exit(code)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -23,11 +23,11 @@ import pytest
 
 import torchmp
 from torchmp import ProcessFailure, RunProcsResult, Std
-from torchmp import _forkserver
+from torchmp import _core, _forkserver
 from torchmp.errors import ChildFailedError
 
 import fn_workers as fw
-from helpers import kill_groups, launch, pid_alive, read_pids, wait_gone
+from helpers import kill_groups, launch, pid_alive, popen_launcher, read_pids, wait_gone
 
 METHODS = ("spawn", "fork", "forkserver")
 PICKLING_METHODS = ("spawn", "forkserver")
@@ -69,7 +69,7 @@ def start(tmp_path, fn, args, start_method, envs=None, *, log_dir=None, **kw):
     return launch(fn, args, envs, log_dir=log_dir or tmp_path / "logs", start_method=start_method, **kw)
 
 
-def run(tmp_path, fn, args, start_method, envs=None, *, timeout=60, **kw) -> RunProcsResult:
+def run(tmp_path, fn, args, start_method, envs=None, *, timeout=30, **kw) -> RunProcsResult:
     """Launch, wait for the result, and always close (killing the groups)."""
     ctx = start(tmp_path, fn, args, start_method, envs, **kw)
     try:
@@ -86,6 +86,23 @@ def children() -> set[int]:
 
 def read_error_json(failure: ProcessFailure) -> dict:
     return json.loads(Path(failure.error_file).read_text())
+
+
+def expected_streams(rank: int) -> tuple[bytes, bytes]:
+    """What fw.write_everywhere(rank) writes to fd 1 and fd 2, in order."""
+    out = (f"print {rank}\nos.write {rank}\nlibc printf {rank}\nlibc puts\nfrom-child {rank}\n".encode()
+           + b"non-utf8 \xff\xfe\x00 bytes\n"
+           + f"tail {rank} (unflushed, no newline)".encode())
+    err = f"from-child-err {rank}\nprint err {rank}\nos.write err\n".encode()
+    return out, err
+
+
+def all_exited(ctx) -> bool:
+    """The I/O thread has recorded every rank's exit (without calling wait)."""
+    from torchmp import _core
+
+    _, ranks = ctx._group.snapshot()
+    return all(info[0] == _core.PROC_EXITED for info in ranks)
 
 
 # --- return values -------------------------------------------------------------
@@ -134,8 +151,10 @@ def test_64mb_return_value_while_launcher_is_not_waiting(tmp_path, start_method)
 def test_return_value_survives_close_before_wait(tmp_path, start_method):
     ctx = start(tmp_path, fw.return_arg, {0: ({"k": [1, 2]},)}, start_method)
     try:
-        assert wait_gone(list(ctx.pids().values()), 20) == []
-        time.sleep(0.05)
+        deadline = time.monotonic() + 20
+        while not all_exited(ctx) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert all_exited(ctx)
     finally:
         ctx.close()
     result = ctx.wait(0)
@@ -178,15 +197,50 @@ def test_each_worker_sees_its_envs_before_the_function_runs(tmp_path, start_meth
     assert "TORCHMP_T_STR" not in os.environ
 
 
+@pytest.mark.parametrize("start_method", METHODS)
+def test_bytes_env_keys_and_values(tmp_path, start_method):
+    names = ("TORCHMP_T_BVAL", "TORCHMP_T_BKEY", "b'TORCHMP_T_BKEY'")
+    envs = {0: {"TORCHMP_T_BVAL": b"raw-bytes", b"TORCHMP_T_BKEY": "v"}}
+    result = run(tmp_path, fw.read_env, {0: (names,)}, start_method, envs)
+    assert result.return_values == {0: {"TORCHMP_T_BVAL": "raw-bytes", "TORCHMP_T_BKEY": "v",
+                                         "b'TORCHMP_T_BKEY'": None}}
+
+
+# --- arguments, imports, the 1.9 signature ---------------------------------------
+
+@pytest.mark.parametrize("start_method", METHODS)
+def test_large_args_reach_the_worker(tmp_path, start_method):
+    import hashlib
+
+    data = os.urandom(16 * MB)
+    result = run(tmp_path, fw.arg_digest, {0: (data,), 1: (data[:1000],)}, start_method)
+    assert result.return_values == {0: (len(data), hashlib.sha256(data).hexdigest()),
+                                    1: (1000, hashlib.sha256(data[:1000]).hexdigest())}
+
+
+def test_spawn_worker_imports_nothing_heavy(tmp_path):
+    heavy = ("torchmp.api", "torchmp.errors", "torchmp.logs_specs", "torchmp._functions", "logging", "json")
+    result = run(tmp_path, fw.loaded_modules, {0: (heavy,)}, "spawn")
+    assert result.return_values[0] == dict.fromkeys(heavy, False)
+
+
+def test_torch_19_signature_with_a_function(tmp_path, monkeypatch):
+    use_fd_level_std(monkeypatch)
+    log_dir = tmp_path / "legacy"
+    ctx = torchmp.start_processes("trainer", fw.write_everywhere, {0: (0,), 1: (1,)}, {0: {}, 1: {}},
+                                  str(log_dir), "fork", Std.ALL, Std.NONE)
+    try:
+        result = ctx.wait(30)
+    finally:
+        ctx.close()
+    assert result.return_values == {0: 0, 1: 1}
+    for rank in (0, 1):
+        assert result.stdouts[rank] == str(log_dir / str(rank) / "stdout.log")
+        assert (log_dir / str(rank) / "stdout.log").read_bytes() == expected_streams(rank)[0]
+        assert (log_dir / str(rank) / "stderr.log").read_bytes() == expected_streams(rank)[1]
+
+
 # --- streams -------------------------------------------------------------------
-
-def expected_streams(rank: int) -> tuple[bytes, bytes]:
-    out = (f"print {rank}\nos.write {rank}\nlibc printf {rank}\nlibc puts\nfrom-child {rank}\n"
-           f"non-utf8 \xff\xfe\x00 bytes\ntail {rank} (unflushed, no newline)")
-    out_b = out.encode("utf-8").replace("\xff\xfe".encode("utf-8"), b"\xff\xfe")
-    err_b = f"from-child-err {rank}\nprint err {rank}\nos.write err\n".encode()
-    return out_b, err_b
-
 
 @pytest.mark.parametrize("start_method", METHODS)
 def test_redirect_is_fd_level_and_exact(tmp_path, start_method, monkeypatch):
@@ -227,8 +281,9 @@ def test_tee_prefixes_console_lines_and_keeps_the_log_exact(tmp_path, start_meth
     for stream, console in ((0, console_out), (1, console_err)):
         got: dict[int, list[bytes]] = {0: [], 1: []}
         for line in console.splitlines(keepends=True):
-            rank = next(r for r, p in prefixes.items() if line.startswith(p))
-            got[rank].append(line[len(prefixes[rank]):])
+            ranks = [r for r, p in prefixes.items() if line.startswith(p)]
+            assert len(ranks) == 1, f"console line without a rank prefix: {line!r}"
+            got[ranks[0]].append(line[len(prefixes[ranks[0]]):])
         for rank in (0, 1):
             lines = expected_streams(rank)[stream].splitlines(keepends=True)
             if not lines[-1].endswith(b"\n"):
@@ -236,11 +291,9 @@ def test_tee_prefixes_console_lines_and_keeps_the_log_exact(tmp_path, start_meth
             assert got[rank] == lines, (rank, stream)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: a fork worker keeps the launcher's sys.stdout/sys.stderr objects; when they are not "
-    "fds 1/2 (pytest capture, Jupyter, a launcher that reassigned sys.stdout) print() and the "
-    "traceback of an exception miss the redirect file, unlike spawn/forkserver and torch's fork"))
 def test_fork_worker_print_reaches_the_log_when_sys_stdout_is_not_fd_1(tmp_path, monkeypatch):
+    # pytest capture, Jupyter, or a launcher that reassigned sys.stdout: the
+    # worker must still print() to its fd 1, where the redirect is.
     elsewhere = open(tmp_path / "launcher-own-stdout.txt", "w")
     try:
         monkeypatch.setattr(sys, "stdout", elsewhere)
@@ -324,6 +377,37 @@ def test_worker_killed_by_a_signal(tmp_path, start_method):
 
 
 @pytest.mark.parametrize("start_method", METHODS)
+def test_segfault_is_minus_11_with_a_python_traceback(tmp_path, start_method, monkeypatch):
+    use_fd_level_std(monkeypatch)
+    result = run(tmp_path, fw.segfault, {0: ()}, start_method, redirects=Std.ERR)
+    failure = result.failures[0]
+    assert failure.exitcode == -signal.SIGSEGV and failure.signal_name() == "SIGSEGV"
+    err = Path(result.stderrs[0]).read_text()
+    assert err.startswith("Fatal Python error: Segmentation fault")
+    assert 'in segfault' in err and "fn_workers.py" in err
+
+
+@pytest.mark.parametrize("start_method", METHODS)
+def test_resources_are_measured_for_function_workers(tmp_path, start_method):
+    ctx = start(tmp_path, fw.burn_cpu, {0: (0.2,), 1: (0.0,)}, start_method)
+    try:
+        pids = ctx.pids()
+        result = ctx.wait(60)
+    finally:
+        ctx.close()
+    assert not result.is_failed(), result.failures
+    assert result.return_values == {0: 32 << 20, 1: 32 << 20}
+    for rank in (0, 1):
+        usage = result.resources[rank]
+        assert usage.pid == pids[rank] and usage.exitcode == 0
+        assert usage.max_rss >= 32 << 20
+        assert 0 < usage.wall_time < 30
+    busy = result.resources[0]
+    assert busy.user_time + busy.system_time >= 0.15
+    assert busy.wall_time >= busy.user_time * 0.5
+
+
+@pytest.mark.parametrize("start_method", METHODS)
 @pytest.mark.parametrize("fn", [fw.return_lambda, fw.return_lock], ids=["lambda", "lock"])
 def test_unpicklable_return_value_is_a_clear_failure(tmp_path, start_method, fn):
     t0 = time.monotonic()
@@ -340,11 +424,31 @@ def test_unpicklable_return_value_is_a_clear_failure(tmp_path, start_method, fn)
     assert failure.message["message"] == text
 
 
+@pytest.mark.parametrize("start_method", METHODS)
+def test_return_value_that_cannot_be_unpickled_in_the_launcher(tmp_path, start_method):
+    ctx = start(tmp_path, fw.return_unpicklable_in_launcher, {0: ()}, start_method)
+    try:
+        with pytest.raises(RuntimeError) as info:
+            ctx.wait(30)
+    finally:
+        ctx.close()
+    text = str(info.value)
+    assert "return value of local rank 0" in text and "could not be unpickled in the launcher" in text
+    assert "this object refuses to be unpickled" in text
+
+
+def test_wait_again_after_an_unpickling_error_does_not_report_success(tmp_path):
+    ctx = start(tmp_path, fw.return_unpicklable_in_launcher, {0: ()}, "fork")
+    try:
+        with pytest.raises(RuntimeError):
+            ctx.wait(30)
+    finally:
+        ctx.close()
+    with pytest.raises(RuntimeError, match="could not be unpickled"):
+        ctx.wait(0)
+
+
 # --- pickling the entrypoint -------------------------------------------------------
-
-def _local_function(x):
-    return x
-
 
 def _make_local():
     offset = 10
@@ -372,6 +476,7 @@ def test_unpicklable_entrypoint_rejected_before_anything_starts(tmp_path, start_
     assert "cannot be pickled" in str(info.value)
     assert fn.__qualname__ in str(info.value)
     assert children() == before
+    assert _server_pid() is None  # not even the forkserver was started
     assert not log_dir.exists() or list(log_dir.rglob("*")) == []
 
 
@@ -382,6 +487,7 @@ def test_unpicklable_args_rejected_before_anything_starts(tmp_path, start_method
     with pytest.raises(ValueError, match=r"args\[1\]"):
         start(tmp_path, fw.return_arg, {0: (1,), 1: (threading.Lock(),)}, start_method, log_dir=log_dir)
     assert children() == before
+    assert _server_pid() is None
     assert not log_dir.exists() or list(log_dir.rglob("*")) == []
 
 
@@ -436,9 +542,61 @@ def test_close_kills_the_workers_process_group(tmp_path, start_method):
         assert wait_gone(grandchild + [worker], 5.0) == []
         result = ctx.wait(0)
         assert result.failures[0].exitcode == -signal.SIGTERM
+        assert result.failures[0].terminated_by_launcher
     finally:
         ctx.close(signal.SIGKILL, timeout=5)
         kill_groups([p for p in grandchild if pid_alive(p)])
+
+
+@pytest.mark.parametrize("start_method", METHODS)
+def test_forked_grandchild_does_not_delay_the_workers_exit(tmp_path, start_method, monkeypatch):
+    use_fd_level_std(monkeypatch)
+    pidfile = tmp_path / "grandchild"
+    ctx = start(tmp_path, fw.fork_lingering_grandchild, {0: (str(pidfile),)}, start_method, tee=Std.ALL)
+    grandchild: list[int] = []
+    try:
+        grandchild = read_pids(pidfile, 1, timeout=20)
+        result = ctx.wait(3)
+        assert result is not None, "wait() blocked on the worker's grandchild"
+        assert not result.is_failed() and result.return_values == {0: 42}
+        # the run is over: the grandchild went with the worker's process group
+        assert wait_gone(grandchild, 5) == []
+    finally:
+        ctx.close(signal.SIGKILL, timeout=5)
+        kill_groups([p for p in grandchild if pid_alive(p)])
+
+
+@pytest.mark.parametrize("start_method", METHODS)
+def test_workers_die_with_a_sigkilled_launcher(tmp_path, start_method):
+    pidfile = tmp_path / "pids"
+    script = f"""
+        import json, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import torchmp
+        from torchmp import _core, _forkserver
+        import fn_workers
+        ctx = torchmp.start_processes("w", fn_workers.announce_and_sleep, {{0: ({str(pidfile)!r},), 1: ({str(pidfile)!r},)}},
+                                      {{0: {{}}, 1: {{}}}}, torchmp.DefaultLogsSpecs(log_dir={str(tmp_path / "logs")!r}),
+                                      start_method={start_method!r})
+        server = None
+        if {start_method!r} == "forkserver":
+            server = _forkserver.get_forkserver()._group.snapshot()[1][0][1]
+        print(json.dumps({{"pids": list(ctx.pids().values()), "server": server}}), flush=True)
+        ctx.wait()
+    """
+    launcher = popen_launcher(script, stdout=subprocess.PIPE)
+    doomed: list[int] = []
+    try:
+        report = json.loads(launcher.stdout.readline())
+        doomed = report["pids"] + ([report["server"]] if report["server"] else [])
+        assert sorted(read_pids(pidfile, 2, timeout=20)) == sorted(report["pids"])
+        launcher.kill()
+        launcher.wait(10)
+        assert wait_gone(doomed, 5.0) == []
+    finally:
+        kill_groups([launcher.pid] + [p for p in doomed if pid_alive(p)])
+        launcher.wait()
+        launcher.stdout.close()
 
 
 # --- the __main__ guard --------------------------------------------------------------
@@ -466,7 +624,7 @@ def work(rank, with_box):
 if __name__ == "__main__":
     import json
     import torchmp
-    from torchmp import _forkserver
+    from torchmp import _core, _forkserver
 
     log_dir, start_method, with_box = sys.argv[1], sys.argv[2], sys.argv[3] == "box"
     with open(os.environ["TORCHMP_T_MARKER"], "a") as f:
@@ -486,7 +644,7 @@ if __name__ == "__main__":
     for rank, value in result.return_values.items():
         if "box" in value:
             box = value["box"]
-            value["box"] = [type(box).__module__, type(box).__name__, box.value]
+            value["box"] = [type(box) is Box, box.value]
         values[rank] = value
     print(json.dumps({"launcher": os.getpid(), "server": server, "pids": pids, "values": values,
                       "failures": {r: str(f.message) for r, f in result.failures.items()}}))
@@ -535,18 +693,13 @@ def test_main_guard_runs_only_in_the_launcher(tmp_path, start_method):
     assert report["marker"] == sorted(expected)
 
 
-@pytest.mark.parametrize("start_method", [
-    pytest.param(m, marks=[] if m == "fork" else pytest.mark.xfail(strict=True, reason=(
-        "BUG: the launcher cannot unpickle a return value holding an object of a class defined "
-        "in its __main__ (pickled by a spawn/forkserver worker as __mp_main__.Box): wait() raises "
-        "RuntimeError 'No module named __mp_main__'; multiprocessing aliases "
-        "sys.modules['__mp_main__'] = sys.modules['__main__'] in the parent")))
-    for m in METHODS])
+@pytest.mark.parametrize("start_method", METHODS)
 def test_return_value_of_a_main_module_class(tmp_path, start_method):
+    # A spawn/forkserver worker pickles it as __mp_main__.Box; the launcher
+    # must map that back to its own __main__ (as multiprocessing does).
     report = run_main_script(tmp_path, start_method, with_box=True)
     assert report["failures"] == {}
-    module = "__main__" if start_method == "fork" else "__mp_main__"
-    assert [report["values"][r]["box"] for r in (0, 1)] == [[module, "Box", 0], [module, "Box", 10]]
+    assert [report["values"][r]["box"] for r in (0, 1)] == [[True, 0], [True, 10]]
 
 
 # --- forkserver --------------------------------------------------------------------
@@ -580,6 +733,40 @@ def test_forkserver_death_is_reported_and_a_new_server_starts(tmp_path):
     new_server = _server_pid()
     assert new_server not in (None, server) and pid_alive(new_server)
     assert {v[1] for v in result.return_values.values()} == {new_server}
+
+
+def _kill_idle_server() -> int:
+    server = _server_pid()
+    sock = _forkserver.get_forkserver()._sock
+    os.kill(server, signal.SIGKILL)
+    # The server's end of the socket is closed: it is dead as far as the
+    # launcher can tell (the I/O thread may not have reaped it yet).
+    ready, _, _ = select.select([sock], [], [], 5)
+    assert ready
+    return server
+
+
+def test_launch_right_after_an_idle_forkserver_died_starts_a_new_one(tmp_path):
+    # The I/O thread may not have reaped the server yet (a race the launcher
+    # used to lose in most attempts, with ConnectionResetError or
+    # ForkServerDied('Broken pipe')).
+    for attempt in range(3):
+        run(tmp_path, fw.ident, {0: ()}, "forkserver", log_dir=tmp_path / f"warm{attempt}")
+        dead = _kill_idle_server()
+        result = run(tmp_path, fw.ident, {0: ()}, "forkserver", log_dir=tmp_path / f"next{attempt}")
+        assert not result.is_failed(), result.failures
+        assert result.return_values[0][1] == _server_pid() != dead
+
+
+def test_launch_after_an_idle_forkserver_died_and_was_reaped(tmp_path):
+    run(tmp_path, fw.ident, {0: ()}, "forkserver", log_dir=tmp_path / "warm")
+    dead = _kill_idle_server()
+    deadline = time.monotonic() + 5
+    while _forkserver.get_forkserver()._alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    result = run(tmp_path, fw.ident, {0: ()}, "forkserver", log_dir=tmp_path / "next")
+    assert not result.is_failed(), result.failures
+    assert result.return_values[0][1] == _server_pid() != dead
 
 
 def test_forkserver_preload_is_imported_by_a_fresh_server(tmp_path):
@@ -671,6 +858,46 @@ def test_worker_gets_the_default_sigterm_action(tmp_path, start_method):
     finally:
         signal.signal(signal.SIGTERM, old)
     assert result.return_values == {0: True}
+
+
+class _DevNullTee:
+    """Logs specs teeing stdout into /dev/null: output that only keeps the
+    I/O thread busy, without filling a disk."""
+
+    root_log_dir = os.devnull
+
+    def reify(self, envs):
+        from torchmp import LogsDest
+
+        n = len(envs)
+        return LogsDest(stdouts=dict.fromkeys(range(n), os.devnull), stderrs=dict.fromkeys(range(n), ""),
+                        tee_stdouts=dict.fromkeys(range(n), os.devnull), error_files=dict.fromkeys(range(n), ""))
+
+
+def test_fork_worker_exiting_at_once_is_seen_while_the_io_thread_is_busy(tmp_path, monkeypatch):
+    monkeypatch.setattr(torchmp.api, "KILL_GRACE_SECONDS", 0.5)
+    # Keep the I/O thread busy copying a flood of teed output (to /dev/null,
+    # console included), so the wake-ups of a launch pile up behind it.
+    console = os.dup(1)
+    null = os.open(os.devnull, os.O_WRONLY)
+    flood = None
+    try:
+        os.dup2(null, 1)
+        flood = torchmp.start_processes("flood", "sh", {0: ("-c", "exec cat /dev/zero",)}, {0: {}}, _DevNullTee())
+        for i in range(100):
+            ctx = start(tmp_path, fw.exit_now, {r: (0,) for r in range(4)}, "fork", log_dir=tmp_path / f"l{i}")
+            try:
+                result = ctx.wait(2)
+            finally:
+                ctx.close(signal.SIGKILL, timeout=0.5)
+            assert result is not None, f"launch {i}: a worker's exit was never seen"
+            assert not result.is_failed(), result.failures
+    finally:
+        if flood is not None:
+            flood.close(signal.SIGKILL, timeout=1)
+        os.dup2(console, 1)
+        os.close(console)
+        os.close(null)
 
 
 # --- fd hygiene -----------------------------------------------------------------------
