@@ -52,6 +52,24 @@ static const char *const step_names[TORCHMP_STEP__COUNT] = {
     [TORCHMP_STEP_DUP_FD] = "dup2 of the return channel or payload",
 };
 
+int torchmp_pipe_cloexec(int fds[2])
+{
+#ifdef TORCHMP_HAVE_PIPE2
+    return pipe2(fds, O_CLOEXEC);
+#else
+    int saved;
+    if (pipe(fds) != 0)
+        return -1;
+    if (fcntl(fds[0], F_SETFD, FD_CLOEXEC) == 0 && fcntl(fds[1], F_SETFD, FD_CLOEXEC) == 0)
+        return 0;
+    saved = errno;
+    close(fds[0]);
+    close(fds[1]);
+    errno = saved;
+    return -1;
+#endif
+}
+
 const char *torchmp_step_name(int step)
 {
     if (step < 0 || step >= TORCHMP_STEP__COUNT || step_names[step] == NULL)
@@ -288,7 +306,7 @@ int torchmp_spawn(const torchmp_spawn_args *a, pid_t *pid_out, torchmp_exec_erro
     err->step = TORCHMP_STEP_NONE;
     err->errnum = 0;
 
-    if (pipe2(errpipe, O_CLOEXEC) != 0) {
+    if (torchmp_pipe_cloexec(errpipe) != 0) {
         err->step = TORCHMP_STEP_PIPE;
         err->errnum = errno;
         return -1;

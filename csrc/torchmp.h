@@ -30,6 +30,7 @@
 #define TORCHMP_HAVE_CLOSE_RANGE 1
 #define TORCHMP_HAVE_VFORK 1
 #define TORCHMP_HAVE_PROC_FD_DIR 1
+#define TORCHMP_HAVE_PIPE2 1
 #endif
 
 /* ---------------------------------------------------------------------------
@@ -92,6 +93,11 @@ int torchmp_spawn(const torchmp_spawn_args *args, pid_t *pid_out, torchmp_exec_e
 /* The signals a worker must reset before exec: caught ones, and SIGPIPE /
  * SIGXFSZ if ignored.  Called by the parent before a batch of spawns. */
 void torchmp_signals_to_reset(sigset_t *out);
+
+/* pipe2(fds, O_CLOEXEC); where there is no pipe2 (macOS, the portable build),
+ * pipe then FD_CLOEXEC on both ends, which is not atomic: a fork elsewhere in
+ * the process in between may inherit the pair.  0, or -1 with errno. */
+int torchmp_pipe_cloexec(int fds[2]);
 
 /* Human-readable name of a spawn step, for exception messages. */
 const char *torchmp_step_name(int step);

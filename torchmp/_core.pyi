@@ -23,8 +23,8 @@ PROC_EXITED: Final[int]
 
 STEP_EXEC: Final[int]
 
-# (mode, fd, console, prefix): how one stream of a rank is wired.
-_StreamSpec = tuple[int, int, int, bytes | None]
+# (mode, fd, console, prefix[, timestamps]): how one stream of a rank is wired.
+_StreamSpec = tuple[int, int, int, bytes | None] | tuple[int, int, int, bytes | None, bool]
 # (path, argv, envp, out, err, ret, payload_fd): one rank of Group.spawn.
 _RankSpec = tuple[bytes, list[bytes], list[bytes], _StreamSpec, _StreamSpec, _StreamSpec, int]
 # (state, pid, wait_status, start_mono_ns, exit_mono_ns, exit_real_ns,
@@ -39,7 +39,12 @@ def exec_error(step: int, errnum: int, path: str | None) -> OSError: ...
 def backend() -> str: ...
 def loop_fd_count() -> int: ...
 def frame(
-    fd: int, prefix: bytes, chunks: list[bytes], max_line: int = ..., scratch: int = ...
+    fd: int,
+    prefix: bytes,
+    chunks: list[bytes],
+    max_line: int = ...,
+    scratch: int = ...,
+    timestamps: bool = ...,
 ) -> None: ...
 
 class SpawnError(OSError):
