@@ -34,6 +34,9 @@ cdef extern from "Python.h":
 cdef extern from "<signal.h>" nogil:
     enum:
         SIGKILL
+    ctypedef void (*sighandler_t)(int)
+    sighandler_t SIG_DFL
+    sighandler_t c_signal "signal"(int signum, sighandler_t handler)
 
 cdef extern from *:
     """
@@ -367,7 +370,8 @@ cdef class Group:
             raise exec_error(err.step, err.errnum, None)
         return 0
 
-    def fork_rank(self, int rank, tuple out, tuple errspec, tuple ret, bint pdeathsig):
+    def fork_rank(self, int rank, tuple out, tuple errspec, tuple ret, bint pdeathsig,
+                  tuple default_signals=()):
         """fork() the calling (Python) thread for rank, through CPython's
         before/after-fork hooks.
 
@@ -380,8 +384,11 @@ cdef class Group:
         cdef torchmp_rank_spec spec
         cdef torchmp_spawn_args setup
         cdef torchmp_exec_error err
-        cdef int rc, saved, step, j, ret_fd
+        cdef int rc, saved, step, j, ret_fd, nsigs
+        cdef int sigs[64]
         cdef pid_t pid, parent = getpid()
+        if len(default_signals) > 64:
+            raise ValueError("too many signals")
         self._prepare(rank, out, errspec, ret, &spec)
         # In a Python child the return channel stays where it is: fd 3 may
         # be something of the interpreter's.
@@ -391,10 +398,19 @@ cdef class Group:
         setup.parent_pid = parent
         setup.pdeathsig = SIGKILL if pdeathsig else 0
 
+        for j in range(len(default_signals)):
+            sigs[j] = default_signals[j]
+        nsigs = len(default_signals)
         PyOS_BeforeFork()
         pid = fork()
         saved = errno
         if pid == 0:
+            # The launcher's handlers (SignalException) must not run in the
+            # child before the worker resets them in Python: a SIGTERM now
+            # would unwind through the launcher's copied frames.  At the C
+            # level they go back to SIG_DFL at once.
+            for j in range(nsigs):
+                c_signal(sigs[j], SIG_DFL)
             PyOS_AfterFork_Child()
             step = torchmp_child_setup(&setup, -1, 0)
             if step != 0:
@@ -546,7 +562,7 @@ cdef class Group:
             torchmp_group_finish_streams(self.g)
 
 
-def frame(int fd, bytes prefix, list chunks, Py_ssize_t max_line=256 * 1024, Py_ssize_t scratch=4096,
+def frame(int fd, bytes prefix not None, list chunks, Py_ssize_t max_line=256 * 1024, Py_ssize_t scratch=4096,
           bint timestamps=False):
     """Run the console line framer over chunks, writing to fd.
 
@@ -571,6 +587,9 @@ def frame(int fd, bytes prefix, list chunks, Py_ssize_t max_line=256 * 1024, Py_
     sinks.needles = NULL
     torchmp_framer_init(&f, PyBytes_AS_STRING(prefix), <size_t>PyBytes_GET_SIZE(prefix), <size_t>max_line)
     f.timestamps = timestamps
+    for chunk in chunks:
+        if not isinstance(chunk, bytes):
+            raise TypeError(f"chunks must be bytes, got {type(chunk).__name__}")
     try:
         for chunk in chunks:
             if torchmp_framer_feed(&f, PyBytes_AS_STRING(chunk), <size_t>PyBytes_GET_SIZE(chunk), &sinks) != 0:

@@ -258,6 +258,32 @@ static int partial_append(torchmp_framer *f, const char *data, size_t len)
     return 0;
 }
 
+/* One line's content (without its newline) as console lines of at most
+ * max_line bytes: a fixed rule, so the console does not depend on where the
+ * reads happened to split the stream. */
+static void emit_content(emitter *e, const torchmp_framer *f, const char *s, size_t n)
+{
+    while (n > f->max_line) {
+        emit(e, f, s, f->max_line, 1);
+        s += f->max_line;
+        n -= f->max_line;
+    }
+    emit(e, f, s, n, 1);
+}
+
+/* Add to the unterminated tail; if memory runs out, send the tail and the
+ * bytes out as lines of their own rather than lose them. */
+static int tail_append(emitter *e, torchmp_framer *f, const char *data, size_t len)
+{
+    if (partial_append(f, data, len) == 0)
+        return 0;
+    if (f->partial_len > 0)
+        emit(e, f, f->partial, f->partial_len, 1);
+    f->partial_len = 0;
+    emit_content(e, f, data, len);
+    return -1;
+}
+
 int torchmp_framer_feed(torchmp_framer *f, const char *data, size_t len, const torchmp_line_sinks *sinks)
 {
     emitter e;
@@ -272,52 +298,59 @@ int torchmp_framer_feed(torchmp_framer *f, const char *data, size_t len, const t
         return 0;
     }
 
+    /* Invariant: the tail never holds more than max_line bytes. */
     while (p < end) {
         const char *nl = memchr(p, '\n', (size_t)(end - p));
+        size_t seg;
         if (nl == NULL)
             break;
-        if (f->partial_len > 0) {
+        seg = (size_t)(nl - p);
+        if (f->partial_len == 0) {
+            emit_content(&e, f, p, seg);
+        } else if (f->partial_len + seg <= f->max_line) {
             /* The line started in an earlier chunk: complete it in the tail
-             * buffer so the line is one contiguous piece (filters need it). */
-            if (partial_append(f, p, (size_t)(nl + 1 - p)) != 0) {
+             * buffer so it is one contiguous piece (filters need that). */
+            if (tail_append(&e, f, p, seg) == 0)
                 emit(&e, f, f->partial, f->partial_len, 1);
-                emit(&e, f, p, (size_t)(nl + 1 - p), 0);
+            else
                 rc = -1;
-            } else {
-                emit(&e, f, f->partial, f->partial_len, 0);
-            }
             f->partial_len = 0;
         } else {
-            emit(&e, f, p, (size_t)(nl + 1 - p), 0);
+            size_t fill = f->max_line - f->partial_len;
+            if (tail_append(&e, f, p, fill) == 0) {
+                emit(&e, f, f->partial, f->partial_len, 1);
+                emit_content(&e, f, p + fill, seg - fill);
+            } else {
+                emit_content(&e, f, p + fill, seg - fill);
+                rc = -1;
+            }
+            f->partial_len = 0;
         }
         p = nl + 1;
     }
-    emitter_flush(&e);
 
     if (p < end) {
         size_t rest = (size_t)(end - p);
         if (f->partial_len + rest > f->max_line) {
-            /* An over-long line: send what we have as lines of their own
-             * (newline added) rather than buffer without bound. */
-            if (f->partial_len > 0) {
+            /* Full pieces go out as soon as more bytes follow them. */
+            size_t fill = f->max_line - f->partial_len;
+            if (tail_append(&e, f, p, fill) == 0)
                 emit(&e, f, f->partial, f->partial_len, 1);
-                emitter_flush(&e);
-                f->partial_len = 0;
-            }
-            if (rest >= f->max_line) {
-                emit(&e, f, p, rest, 1);
-                emitter_flush(&e);
-            } else if (partial_append(f, p, rest) != 0) {
-                emit(&e, f, p, rest, 1);
-                emitter_flush(&e);
+            else
                 rc = -1;
+            f->partial_len = 0;
+            p += fill;
+            rest -= fill;
+            while (rest > f->max_line) {
+                emit(&e, f, p, f->max_line, 1);
+                p += f->max_line;
+                rest -= f->max_line;
             }
-        } else if (partial_append(f, p, rest) != 0) {
-            emit(&e, f, p, rest, 1);
-            emitter_flush(&e);
-            rc = -1;
         }
+        if (rest > 0 && tail_append(&e, f, p, rest) != 0)
+            rc = -1;
     }
+    emitter_flush(&e);
     if (rc != 0)
         errno = ENOMEM;
     return rc;

@@ -1287,9 +1287,18 @@ int torchmp_group_killpg(torchmp_group *g, int sig, int include_exited)
             continue;
         if (state == TORCHMP_PROC_EXITED && !include_exited)
             continue;
-        /* The worker called setsid(), so its pid is its process group. */
-        if (kill(-pid, sig) != 0 && errno != ESRCH && first_errno == 0)
-            first_errno = errno;
+        /* The worker calls setsid(), so its pid is its process group.  A
+         * worker forked a moment ago may not have got there yet: then the
+         * group does not exist, and the signal goes to the worker itself. */
+        if (kill(-pid, sig) != 0) {
+            int err = errno;
+            if (err == ESRCH && state == TORCHMP_PROC_RUNNING && kill(pid, sig) != 0)
+                err = errno;
+            else if (err == ESRCH)
+                err = 0;
+            if (err != 0 && err != ESRCH && first_errno == 0)
+                first_errno = err;
+        }
     }
     if (first_errno != 0) {
         errno = first_errno;

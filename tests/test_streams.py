@@ -211,11 +211,24 @@ def test_framer_is_independent_of_chunking(tmp_path, chunks):
     assert outs[0] == b"".join(b"[p]:" + line + b"\n" for line in lines)
 
 
-def test_framer_splits_overlong_lines(tmp_path):
+@pytest.mark.parametrize("chunks", [
+    [b"a" * 25, b"b" * 10 + b"\nc\n"],
+    [b"a" * 25 + b"b" * 10 + b"\nc\n"],
+    [bytes([x]) for x in b"a" * 25 + b"b" * 10 + b"\nc\n"],
+])
+def test_framer_cuts_overlong_lines_every_max_line_bytes(tmp_path, chunks):
     path = tmp_path / "f"
     with open(path, "wb") as f:
-        _core.frame(f.fileno(), b">", [b"a" * 25, b"b" * 10 + b"\nc\n"], 16)
-    assert path.read_bytes() == b">" + b"a" * 25 + b"\n>" + b"b" * 10 + b"\n>c\n"
+        _core.frame(f.fileno(), b">", chunks, 16)
+    assert path.read_bytes() == b">" + b"a" * 16 + b"\n>" + b"a" * 9 + b"b" * 7 + b"\n>bbb\n>c\n"
+
+
+def test_framer_line_of_exactly_max_line_is_one_line(tmp_path):
+    for chunks in ([b"x" * 16, b"\n"], [b"x" * 16 + b"\n"]):
+        path = tmp_path / "f"
+        with open(path, "wb") as f:
+            _core.frame(f.fileno(), b">", chunks, 16)
+        assert path.read_bytes() == b">" + b"x" * 16 + b"\n"
 
 
 def test_log_line_timestamps_on_console_not_in_log(tmp_path, capfdbinary):

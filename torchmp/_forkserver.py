@@ -88,9 +88,7 @@ class ForkServer:
         try:
             prep = _worker.preparation_data()
             setup = pickle.dumps((prep, list(_preload)), protocol=pickle.HIGHEST_PROTOCOL)
-            argv = [os.fsencode(sys.executable)]
-            argv += [os.fsencode(a) for a in __import__("subprocess")._args_from_interpreter_flags()]
-            argv += [b"-c", b"from torchmp._forkserver import server_main; server_main()"]
+            argv = _worker.interpreter_argv("torchmp._forkserver", "server_main")
             env = [k + b"=" + v for k, v in os.environb.items()]
             group = _core.Group(1)
             inherit = (_core.STREAM_INHERIT, -1, -1, None)
@@ -169,7 +167,10 @@ class ForkServer:
                 owned = [fd for fd, spec in ((out_fd, out), (err_fd, err)) if fd >= 0 and spec[0] != _core.STREAM_FILE]
                 owned.append(ret_fd)
                 try:
-                    body = pickle.dumps((ctx.entrypoint, ctx.args[rank], dict(ctx.envs[rank])),
+                    # The launcher's environment now, not the server's from
+                    # when it started: a variable removed since must not leak.
+                    env = _worker.full_env(ctx.envs[rank])
+                    body = pickle.dumps((ctx.entrypoint, ctx.args[rank], env),
                                         protocol=pickle.HIGHEST_PROTOCOL)
                     fds = [fd for fd in (out_fd, err_fd) if fd >= 0] + [ret_fd]
                     flags = (out_fd >= 0) | (err_fd >= 0) << 1
@@ -326,7 +327,8 @@ def _server_child(server_pid: int, sock: socket.socket, wake_r: int, wake_w: int
             if fd > 2:
                 os.close(fd)
         fn, args, env = pickle.loads(body)
-        _worker.apply_env(env)
+        os.environb.clear()
+        os.environb.update(env)
     except BaseException as e:
         import traceback
 

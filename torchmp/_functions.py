@@ -33,7 +33,6 @@ from __future__ import annotations
 import os
 import pickle
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -41,18 +40,17 @@ from collections.abc import Callable
 from typing import Any
 
 from torchmp import _core, _worker
-from torchmp.api import _CAPTURE, _ExecPlan, _NativeContext, _exec_env, logger
+from torchmp.api import _CAPTURE, _ExecPlan, _NativeContext, _exec_env, handled_signals, logger
 from torchmp.logs_specs import LogsSpecs
 
 __all__ = ["MultiprocessContext"]
 
 START_METHODS = ("spawn", "fork", "forkserver")
 
-_SPAWN_BOOTSTRAP = "from torchmp._worker import spawn_main; spawn_main()"
 
-# Signals the launcher turns into SignalException: a forked worker must die
-# of them like any other process, not raise in the user's function.
-_LAUNCHER_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+# A forked worker must die of the signals the launcher turns into
+# SignalException (api.handled_signals()) like any other process, not raise
+# in the user's function.
 
 
 def _payload_file(data: bytes) -> int:
@@ -94,6 +92,8 @@ def _check_picklable(start_method: str, entrypoint: Callable[..., Any], args: di
 
 class MultiprocessContext(_NativeContext):
     """``PContext`` holding worker processes invoked as a function."""
+
+    _fds_per_rank = 3  # pidfd, return channel, spawn payload
 
     def __init__(
         self,
@@ -142,9 +142,7 @@ class MultiprocessContext(_NativeContext):
 
     def _launch_spawn(self, group: Any, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
         prep = _worker.preparation_data()
-        argv = [os.fsencode(sys.executable)]
-        argv += [os.fsencode(a) for a in subprocess._args_from_interpreter_flags()]  # type: ignore[attr-defined]
-        argv += [b"-c", _SPAWN_BOOTSTRAP.encode()]
+        argv = _worker.interpreter_argv("torchmp._worker", "spawn_main")
         path = os.fsencode(sys.executable)
         payload_fds: list[int] = []
         try:
@@ -168,10 +166,11 @@ class MultiprocessContext(_NativeContext):
             except Exception:
                 pass
         on_main_thread = threading.current_thread() is threading.main_thread()
+        launcher_signals = tuple(int(s) for s in handled_signals())
         for rank in range(self.nprocs):
             out, err = streams[rank]
             try:
-                pid, ret_fd = group.fork_rank(rank, out, err, _CAPTURE, on_main_thread)
+                pid, ret_fd = group.fork_rank(rank, out, err, _CAPTURE, on_main_thread, launcher_signals)
             except OSError as e:
                 logger.error("failed to fork local rank %s of %s: %s", rank, self.name, e)
                 self._close(signal.SIGKILL, timeout=5)
@@ -211,10 +210,11 @@ class MultiprocessContext(_NativeContext):
         return super()._lost_status_reason(rank)
 
 
-def _fork_child(fn: Callable[..., Any], args: tuple[Any, ...], env: dict[str, Any], ret_fd: int) -> None:
+def _fork_child(fn: Callable[..., Any], args: tuple[Any, ...], env: dict[str, Any], ret_fd: int,
+                default_signals: tuple[int, ...]) -> None:
     """Body of a forked worker: never returns into the launcher's frames."""
     try:
-        for sig in _LAUNCHER_SIGNALS:
+        for sig in default_signals:
             signal.signal(sig, signal.SIG_DFL)
         _worker.fresh_stdio()
         _worker.apply_env(env)

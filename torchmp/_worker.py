@@ -42,6 +42,22 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
+def interpreter_argv(module: str, function: str) -> list[bytes]:
+    """argv of a fresh interpreter that runs ``module.function()``.
+
+    ``-c`` puts the current directory first on sys.path, where an unbuilt
+    source checkout of torchmp may sit: point that entry at the torchmp this
+    launcher runs instead (prepare() installs the launcher's sys.path later).
+    """
+    import subprocess
+
+    home = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = f"import sys; sys.path[0] = {home!r}; from {module} import {function}; {function}()"
+    argv = [os.fsencode(sys.executable)]
+    argv += [os.fsencode(a) for a in subprocess._args_from_interpreter_flags()]  # type: ignore[attr-defined]
+    return argv + [b"-c", code.encode()]
+
+
 # --- re-importing the main module, the way multiprocessing's spawn does ----
 
 def preparation_data() -> dict[str, Any]:
@@ -100,6 +116,21 @@ def decode_payload(data: bytes) -> tuple[dict[str, Any], bytes]:
 
 
 # --- running the function ----------------------------------------------------
+
+def _env_bytes(value: Any) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    return os.fsencode(value if isinstance(value, str) else str(value))
+
+
+def full_env(env: dict[Any, Any]) -> dict[bytes, bytes]:
+    """The launcher's environment with env on top, as bytes (what an exec'd
+    worker would get)."""
+    full = dict(os.environb)
+    for key, value in env.items():
+        full[_env_bytes(key)] = _env_bytes(value)
+    return full
+
 
 def apply_env(env: dict[Any, Any]) -> None:
     """Put envs[rank] into os.environ the way an exec'd worker gets it:

@@ -104,14 +104,11 @@ def _terminate_process_handler(signum: int, frame: FrameType | None) -> None:
     raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
 
 
-def _install_signal_handlers() -> None:
-    if threading.current_thread() is not threading.main_thread():
-        logger.warning(
-            "Failed to register signal handlers since torchmp is running on a child thread. "
-            "This could lead to orphaned worker processes if the launcher is terminated."
-        )
-        return
+def handled_signals() -> list[signal.Signals]:
+    """The signals named in TORCHELASTIC_SIGNALS_TO_HANDLE (default SIGTERM,
+    SIGINT, SIGHUP, SIGQUIT); unknown names are logged and skipped."""
     names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+    found = []
     for name in names.split(","):
         name = name.strip()
         if not name:
@@ -120,10 +117,22 @@ def _install_signal_handlers() -> None:
         if not isinstance(sig, signal.Signals):
             logger.warning("Failed to register signal handler for %s: no such signal", name)
             continue
+        found.append(sig)
+    return found
+
+
+def _install_signal_handlers() -> None:
+    if threading.current_thread() is not threading.main_thread():
+        logger.warning(
+            "Failed to register signal handlers since torchmp is running on a child thread. "
+            "This could lead to orphaned worker processes if the launcher is terminated."
+        )
+        return
+    for sig in handled_signals():
         try:
             signal.signal(sig, _terminate_process_handler)
         except (OSError, ValueError, RuntimeError) as e:
-            logger.warning("Failed to register signal handler for %s: %s", name, e)
+            logger.warning("Failed to register signal handler for %s: %s", sig.name, e)
 
 
 @dataclass(frozen=True)
@@ -388,13 +397,25 @@ def resolve_executable(entrypoint: str, env: Mapping[str, Any] | None = None) ->
 
 def _open_log(path: str) -> int:
     """Open a log file for a worker: truncate, never through a symlink
-    planted in the log directory, mode from the umask."""
+    planted in the log directory, never block on a FIFO planted there, mode
+    from the umask.  Character devices (/dev/null) are fine."""
     try:
-        return os.open(path, _LOG_FLAGS, 0o666)
+        fd = os.open(path, _LOG_FLAGS | os.O_NONBLOCK, 0o666)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise OSError(e.errno, f"refusing to follow a symlink for a log file: {path}", path) from None
+        if e.errno == errno.ENXIO:
+            raise OSError(e.errno, f"refusing a FIFO as a log file: {path}", path) from None
         raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISCHR(mode)):
+            raise OSError(errno.EINVAL, f"a log file must be a regular file or a device: {path}", path)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _exitcode(wait_status: int) -> int:
@@ -538,15 +559,22 @@ class _NativeContext(PContext):
             return (_core.STREAM_TEE, fd, 1 + which, self._prefix(rank), self.log_line_timestamps)
         return (_core.STREAM_FILE, fd, -1, None)
 
+    # Launcher fds per rank beyond its streams: the pidfd, plus what a
+    # subclass adds (return channel, spawn payload).
+    _fds_per_rank = 1
+
     def _fds_needed(self) -> int:
-        """About how many fds the launcher holds for this context: per rank a
-        pidfd, a return channel and (while starting) a payload; per teed
-        stream a pipe and a log file; and some slack."""
-        teed = 0
-        for which, paths, tees in ((0, self.stdouts, self._logs_dest.tee_stdouts),
-                                   (1, self.stderrs, self._logs_dest.tee_stderrs)):
-            teed += sum(1 for rank in range(self.nprocs) if paths.get(rank) and rank in tees)
-        return 3 * self.nprocs + 2 * teed + 16
+        """The most fds this context holds at once while starting: per stream
+        with a file, the file as opened here and (if teed) the loop's pipe
+        end and its own copy of the file; per rank _fds_per_rank; a few in
+        flight per spawn; some slack."""
+        needed = 16
+        for paths, tees in ((self.stdouts, self._logs_dest.tee_stdouts),
+                            (self.stderrs, self._logs_dest.tee_stderrs)):
+            for rank in range(self.nprocs):
+                if paths.get(rank):
+                    needed += 3 if rank in tees else 1
+        return needed + self._fds_per_rank * self.nprocs
 
     def _ensure_fd_budget(self) -> None:
         """Raise the soft RLIMIT_NOFILE if this context needs it, or fail
@@ -638,6 +666,16 @@ class _NativeContext(PContext):
         for rank, info in enumerate(ranks):
             (state, pid, status, start_ns, exit_ns, exit_real_ns, utime, stime, maxrss, out_err, err_err,
              status_lost) = info
+            if state == _core.PROC_RUNNING and rank in self._abandoned:
+                failures[rank] = ProcessFailure(
+                    local_rank=rank, pid=pid, exitcode=-signal.SIGKILL,
+                    error_file=self.error_files.get(rank, ""),
+                    timestamp_ns=time.time_ns(), terminated_by_launcher=True)
+                why = (f"did not exit {KILL_GRACE_SECONDS:.1f}s after SIGKILL and was abandoned "
+                       "(uninterruptible sleep?)")
+                if failures[rank].error_file_data.get("message") in (None, "<NONE>"):
+                    failures[rank].message = why
+                continue
             if state != _core.PROC_EXITED:
                 continue
             code = _exitcode(status)
@@ -786,7 +824,7 @@ class SubprocessContext(_NativeContext):
         self._paths = {rank: resolve_executable(entrypoint, envs[rank]) for rank in range(len(args))}
         for rank, argv in args.items():
             for a in argv:
-                if "\0" in (a if isinstance(a, str) else str(a)):
+                if (b"\0" if isinstance(a, bytes) else "\0") in (a if isinstance(a, (str, bytes)) else str(a)):
                     raise ValueError(f"args[{rank}]: argument {a!r} contains a NUL byte")
 
     def _launch(self, group: Any, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
