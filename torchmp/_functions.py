@@ -176,7 +176,12 @@ class MultiprocessContext(_NativeContext):
                 self._close(signal.SIGKILL, timeout=5)
                 raise
             if pid == 0:
-                _fork_child(self.entrypoint, self.args[rank], self.envs[rank], ret_fd)  # type: ignore[arg-type]  # never returns
+                # The child must never unwind into the launcher's frames.
+                try:
+                    _fork_child(self.entrypoint, self.args[rank], self.envs[rank],  # type: ignore[arg-type]
+                                ret_fd, launcher_signals)
+                finally:
+                    os._exit(1)
 
     # -- results ----------------------------------------------------------------
     def _return_values(self, exited_ok: list[int]) -> dict[int, Any]:
