@@ -27,7 +27,7 @@ from torchmp import _core, _forkserver
 from torchmp.errors import ChildFailedError
 
 import fn_workers as fw
-from helpers import kill_groups, launch, pid_alive, popen_launcher, read_pids, wait_gone
+from helpers import kill_groups, launch, pid_alive, popen_launcher, read_pids, run_launcher, wait_gone
 
 METHODS = ("spawn", "fork", "forkserver")
 PICKLING_METHODS = ("spawn", "forkserver")
@@ -219,9 +219,21 @@ def test_large_args_reach_the_worker(tmp_path, start_method):
 
 
 def test_spawn_worker_imports_nothing_heavy(tmp_path):
+    # From a launcher whose __main__ is light (`python -c`): under the pytest
+    # command, workers would re-import pytest's script as __mp_main__.
     heavy = ("torchmp.api", "torchmp.errors", "torchmp.logs_specs", "torchmp._functions", "logging", "json")
-    result = run(tmp_path, fw.loaded_modules, {0: (heavy,)}, "spawn")
-    assert result.return_values[0] == dict.fromkeys(heavy, False)
+    res = run_launcher(f"""
+        import sys
+        sys.path.insert(0, {str(Path(fw.__file__).parent)!r})
+        import fn_workers, torchmp
+        ctx = torchmp.start_processes("t", fn_workers.loaded_modules, {{0: ({heavy!r},)}}, {{0: {{}}}},
+                                      torchmp.DefaultLogsSpecs(log_dir={str(tmp_path)!r}), start_method="spawn")
+        result = ctx.wait(60)
+        ctx.close()
+        print(result.return_values[0])
+    """)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.decode().strip() == str(dict.fromkeys(heavy, False))
 
 
 def test_torch_19_signature_with_a_function(tmp_path, monkeypatch):
