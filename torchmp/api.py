@@ -824,7 +824,8 @@ class SubprocessContext(_NativeContext):
         self._paths = {rank: resolve_executable(entrypoint, envs[rank]) for rank in range(len(args))}
         for rank, argv in args.items():
             for a in argv:
-                if (b"\0" if isinstance(a, bytes) else "\0") in (a if isinstance(a, (str, bytes)) else str(a)):
+                has_nul = b"\0" in a if isinstance(a, bytes) else "\0" in str(a)
+                if has_nul:
                     raise ValueError(f"args[{rank}]: argument {a!r} contains a NUL byte")
 
     def _launch(self, group: Any, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
