@@ -37,6 +37,16 @@ cdef extern from "<signal.h>" nogil:
     ctypedef void (*sighandler_t)(int)
     sighandler_t SIG_DFL
     sighandler_t c_signal "signal"(int signum, sighandler_t handler)
+    ctypedef struct sigset_t:
+        pass
+    int sigemptyset(sigset_t *s)
+    int sigaddset(sigset_t *s, int signum)
+    enum:
+        SIG_BLOCK
+        SIG_SETMASK
+
+cdef extern from "<pthread.h>" nogil:
+    int pthread_sigmask(int how, const sigset_t *s, sigset_t *old)
 
 cdef extern from *:
     """
@@ -386,6 +396,7 @@ cdef class Group:
         cdef torchmp_exec_error err
         cdef int rc, saved, step, j, ret_fd, nsigs
         cdef int sigs[64]
+        cdef sigset_t blocked, old_mask
         cdef pid_t pid, parent = getpid()
         if len(default_signals) > 64:
             raise ValueError("too many signals")
@@ -401,16 +412,23 @@ cdef class Group:
         for j in range(len(default_signals)):
             sigs[j] = default_signals[j]
         nsigs = len(default_signals)
+        # The launcher's handlers (SignalException) must not run in the child
+        # -- a SIGTERM there would unwind through the launcher's copied frames
+        # -- nor swallow a signal sent to the new worker (CPython's fork hook
+        # forgets tripped signals).  So they are blocked across fork, put
+        # back to SIG_DFL in the child at the C level, then unblocked: a
+        # SIGTERM sent meanwhile kills the child as it should.
+        sigemptyset(&blocked)
+        for j in range(nsigs):
+            sigaddset(&blocked, sigs[j])
+        pthread_sigmask(SIG_BLOCK, &blocked, &old_mask)
         PyOS_BeforeFork()
         pid = fork()
         saved = errno
         if pid == 0:
-            # The launcher's handlers (SignalException) must not run in the
-            # child before the worker resets them in Python: a SIGTERM now
-            # would unwind through the launcher's copied frames.  At the C
-            # level they go back to SIG_DFL at once.
             for j in range(nsigs):
                 c_signal(sigs[j], SIG_DFL)
+            pthread_sigmask(SIG_SETMASK, &old_mask, NULL)
             PyOS_AfterFork_Child()
             step = torchmp_child_setup(&setup, -1, 0)
             if step != 0:
@@ -426,6 +444,7 @@ cdef class Group:
             self.owner_pid = -1  # this group belongs to the parent
             return 0, ret_fd
         PyOS_AfterFork_Parent()
+        pthread_sigmask(SIG_SETMASK, &old_mask, NULL)
         for j, mode in ((1, spec.out.mode), (2, spec.err.mode), (3, spec.ret.mode)):
             if spec.args.child_fds[j] >= 0 and mode != TORCHMP_STREAM_FILE:
                 c_close(spec.args.child_fds[j])
