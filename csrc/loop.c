@@ -643,21 +643,20 @@ static int rank_adopt(torchmp_loop *L, torchmp_proc *p, pid_t pid, int foreign, 
                       torchmp_exec_error *err)
 {
     p->foreign = foreign;
-    if (foreign && p->streams[STREAM_RET].fd < 0) {
-        /* Without a return channel there would be no exit event. */
-        err->step = TORCHMP_STEP_STREAM;
-        err->errnum = EINVAL;
-        errno = EINVAL;
-        return -1;
-    }
 #ifdef TORCHMP_HAVE_PIDFD
     if (L->backend == TORCHMP_BACKEND_EPOLL) {
         p->pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
-        if (p->pidfd < 0 || torchmp_poller_add(L->poller, p->pidfd, p) != 0) {
+        if (p->pidfd >= 0 && torchmp_poller_add(L->poller, p->pidfd, p) != 0)
+            close_fd(&p->pidfd);
+        if (p->pidfd < 0 && foreign) {
+            /* Not our child, so nothing to kill or reap here: a worker that
+             * is already gone (ESRCH) has its trailer on the way; otherwise
+             * its exit shows as the trailer plus kill(pid, 0) == ESRCH. */
+            p->foreign_gone = errno == ESRCH;
+        } else if (p->pidfd < 0) {
             int status;
             err->step = TORCHMP_STEP_PIDFD;
             err->errnum = errno;
-            close_fd(&p->pidfd);
             kill(pid, SIGKILL);
             while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
                 ;
@@ -673,6 +672,11 @@ static int rank_adopt(torchmp_loop *L, torchmp_proc *p, pid_t pid, int foreign, 
     p->info.start_mono_ns = start;
     pthread_mutex_unlock(&L->mu);
     p->group->running++;
+    if (foreign) {
+        /* The worker may have run to completion before we got here: its
+         * trailer (or even its channel's EOF) may be in already. */
+        proc_foreign_exit(L, p, p->streams[STREAM_RET].fd < 0);
+    }
     return 0;
 }
 
