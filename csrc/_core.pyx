@@ -11,6 +11,7 @@ from libc.errno cimport errno, EINTR
 from libc.stdint cimport int64_t, uint64_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memset, strerror
+from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 from posix.unistd cimport getpid, fork, close as c_close, _exit, write as c_write
 
 from ctorchmp cimport *
@@ -254,6 +255,10 @@ cdef class Group:
     cdef readonly int nprocs
     cdef readonly int started
     cdef int owner_pid
+    # prepare(): ranks staged for fork_rank / a forkserver, and fork times.
+    cdef torchmp_rank_spec *staged
+    cdef int64_t *fork_ns
+    cdef int nstaged
 
     def __cinit__(self, int nprocs, list out_filters=None, int filtered_out_fd=-1,
                   list err_filters=None, int filtered_err_fd=-1):
@@ -281,6 +286,7 @@ cdef class Group:
             needles_clear(&err_n)
 
     def __dealloc__(self):
+        self._unstage()
         if self.g != NULL:
             torchmp_group_release(self.g)
             self.g = NULL
@@ -289,6 +295,7 @@ cdef class Group:
         """Hand the group back to the I/O thread, which frees it (and its
         fds) once every rank is reaped and every stream closed.  Later calls
         raise ValueError; release itself is idempotent."""
+        self._unstage()
         if self.g != NULL:
             torchmp_group_release(self.g)
             self.g = NULL
@@ -360,47 +367,125 @@ cdef class Group:
                 free(<void *>cspecs[i].args.envp)
             free(cspecs)
 
-    cdef int _prepare(self, int rank, tuple out, tuple errspec, tuple ret, torchmp_rank_spec *spec) except -1:
-        """Open rank's streams on the I/O thread; the worker-side fds land in
-        spec.args.child_fds[1..3]."""
+    cdef void _close_worker_fds(self, int rank) noexcept:
+        """Close this process's copies of rank's worker-side pipe ends."""
+        cdef torchmp_rank_spec *spec = &self.staged[rank]
+        cdef int modes[4]
+        cdef int j
+        modes[1] = spec.out.mode
+        modes[2] = spec.err.mode
+        modes[3] = spec.ret.mode
+        for j in range(1, 4):
+            # FILE targets are the caller's own fds, not ours to close.
+            if spec.args.child_fds[j] >= 0 and modes[j] != TORCHMP_STREAM_FILE:
+                c_close(spec.args.child_fds[j])
+            spec.args.child_fds[j] = -1
+
+    cdef void _unstage(self) noexcept:
+        cdef int rank
+        if self.staged == NULL:
+            return
+        if getpid() == self.owner_pid:  # a forked worker's copies are gone
+            for rank in range(self.nstaged):
+                self._close_worker_fds(rank)
+        free(self.staged)
+        free(self.fork_ns)
+        self.staged = NULL
+        self.fork_ns = NULL
+        self.nstaged = 0
+
+    def prepare(self, list specs):
+        """Open the streams of ranks 0..len(specs)-1 for workers started
+        outside the I/O thread (fork_rank, a forkserver), in one round trip.
+
+        Each spec is (out, err, ret).  Returns each rank's worker-side fds
+        (stdout, stderr, return channel; -1 for none).  The pipe ends among
+        them stay open here until fork_rank forks the rank or
+        close_worker_fds(rank) is called; FILE targets are the caller's own
+        fds, returned as given.
+        """
+        cdef Py_ssize_t i, count = len(specs)
         cdef torchmp_exec_error err
         cdef list keep = []
-        cdef int rc, j
+        cdef int prepared, j
         self._ours()
-        memset(spec, 0, sizeof(torchmp_rank_spec))
-        memset(&err, 0, sizeof(err))
-        for j in range(TORCHMP_CHILD_FDS):
-            spec.args.child_fds[j] = -1
-        stream_spec_fill(&spec.out, out, keep)
-        stream_spec_fill(&spec.err, errspec, keep)
-        stream_spec_fill(&spec.ret, ret, keep)
-        with nogil:
-            rc = torchmp_group_prepare(self.g, rank, spec, &err)
-        if rc != 0:
-            raise exec_error(err.step, err.errnum, None)
-        return 0
+        if self.staged != NULL or self.started:
+            raise RuntimeError("worker group already prepared")
+        if count > self.nprocs:
+            raise ValueError(f"{count} specs for a group of {self.nprocs}")
+        self.staged = <torchmp_rank_spec *>calloc(count if count else 1, sizeof(torchmp_rank_spec))
+        self.fork_ns = <int64_t *>calloc(count if count else 1, sizeof(int64_t))
+        if self.staged == NULL or self.fork_ns == NULL:
+            free(self.staged)
+            free(self.fork_ns)
+            self.staged = NULL
+            self.fork_ns = NULL
+            raise MemoryError()
+        try:
+            for i in range(count):
+                for j in range(TORCHMP_CHILD_FDS):
+                    self.staged[i].args.child_fds[j] = -1
+            for i in range(count):
+                out, errspec, ret = specs[i]
+                stream_spec_fill(&self.staged[i].out, out, keep)
+                stream_spec_fill(&self.staged[i].err, errspec, keep)
+                stream_spec_fill(&self.staged[i].ret, ret, keep)
+            memset(&err, 0, sizeof(err))
+            with nogil:
+                prepared = torchmp_group_prepare(self.g, self.staged, <int>count, &err)
+            if prepared < 0:
+                check(-1, b"handing the prepare request to the I/O thread")
+            if prepared < count:
+                exc = exec_error(err.step, err.errnum, None)
+                exc.rank = prepared
+                raise exc
+        except BaseException:
+            # Nothing was opened (the loop undoes a partial prepare).
+            free(self.staged)
+            free(self.fork_ns)
+            self.staged = NULL
+            self.fork_ns = NULL
+            raise
+        self.nstaged = <int>count
+        for i in range(count):
+            # The prefixes in keep are copied by the loop: drop the pointers.
+            self.staged[i].out.prefix = NULL
+            self.staged[i].err.prefix = NULL
+            self.staged[i].ret.prefix = NULL
+        return [(self.staged[i].args.child_fds[1], self.staged[i].args.child_fds[2],
+                 self.staged[i].args.child_fds[3]) for i in range(count)]
 
-    def fork_rank(self, int rank, tuple out, tuple errspec, tuple ret, bint pdeathsig,
-                  tuple default_signals=()):
-        """fork() the calling (Python) thread for rank, through CPython's
-        before/after-fork hooks.
+    def close_worker_fds(self, int rank):
+        """Close the pipe ends prepare() returned for rank (once its worker
+        has them)."""
+        if self.staged == NULL or not 0 <= rank < self.nstaged:
+            raise ValueError(f"local rank {rank} is not prepared")
+        self._close_worker_fds(rank)
+
+    def fork_rank(self, int rank, bint pdeathsig, tuple default_signals=()):
+        """fork() the calling (Python) thread for rank (after prepare),
+        through CPython's before/after-fork hooks.
 
         Returns (0, ret_fd) in the child -- whose stdout/stderr are already
-        redirected, in its own session -- and (pid, -1) in the parent, where
-        the I/O thread now watches the child.  pdeathsig: arm
-        PR_SET_PDEATHSIG (it fires when the *forking thread* exits, so only
-        ask for it from a thread that outlives the workers).
+        redirected, in its own session -- and (pid, -1) in the parent, which
+        must then adopt() the pid.  pdeathsig: arm PR_SET_PDEATHSIG (it fires
+        when the *forking thread* exits, so only ask for it from a thread
+        that outlives the workers).  default_signals: the launcher's handled
+        signals, blocked across fork and reset to SIG_DFL in the child.
         """
-        cdef torchmp_rank_spec spec
+        cdef torchmp_rank_spec *spec
         cdef torchmp_spawn_args setup
-        cdef torchmp_exec_error err
-        cdef int rc, saved, step, j, ret_fd, nsigs
+        cdef int saved, step, j, other, ret_fd, nsigs
         cdef int sigs[64]
         cdef sigset_t blocked, old_mask
+        cdef timespec now
         cdef pid_t pid, parent = getpid()
+        self._ours()
+        if self.staged == NULL or not 0 <= rank < self.nstaged:
+            raise ValueError(f"local rank {rank} is not prepared")
         if len(default_signals) > 64:
             raise ValueError("too many signals")
-        self._prepare(rank, out, errspec, ret, &spec)
+        spec = &self.staged[rank]
         # In a Python child the return channel stays where it is: fd 3 may
         # be something of the interpreter's.
         setup = spec.args
@@ -422,6 +507,8 @@ cdef class Group:
         for j in range(nsigs):
             sigaddset(&blocked, sigs[j])
         pthread_sigmask(SIG_BLOCK, &blocked, &old_mask)
+        clock_gettime(CLOCK_MONOTONIC, &now)
+        self.fork_ns[rank] = <int64_t>now.tv_sec * 1000000000 + now.tv_nsec
         PyOS_BeforeFork()
         pid = fork()
         saved = errno
@@ -430,6 +517,11 @@ cdef class Group:
                 c_signal(sigs[j], SIG_DFL)
             pthread_sigmask(SIG_SETMASK, &old_mask, NULL)
             PyOS_AfterFork_Child()
+            # The pipe ends of ranks still to be forked are not this worker's:
+            # held here they would delay those ranks' EOFs.
+            for other in range(self.nstaged):
+                if other != rank:
+                    self._close_worker_fds(other)
             step = torchmp_child_setup(&setup, -1, 0)
             if step != 0:
                 saved = errno
@@ -445,48 +537,68 @@ cdef class Group:
             return 0, ret_fd
         PyOS_AfterFork_Parent()
         pthread_sigmask(SIG_SETMASK, &old_mask, NULL)
-        for j, mode in ((1, spec.out.mode), (2, spec.err.mode), (3, spec.ret.mode)):
-            if spec.args.child_fds[j] >= 0 and mode != TORCHMP_STREAM_FILE:
-                c_close(spec.args.child_fds[j])
         if pid < 0:
-            torchmp_group_drop(self.g, rank)
             raise OSError(saved, f"fork: {strerror(saved).decode()}")
-        with nogil:
-            rc = torchmp_group_adopt(self.g, rank, pid, 0, &err)
-        if rc != 0:
-            raise exec_error(err.step, err.errnum, None)
-        self.started = max(self.started, rank + 1)
+        self._close_worker_fds(rank)
         return pid, -1
 
-    def prepare_rank(self, int rank, tuple out, tuple errspec, tuple ret):
-        """Open rank's streams on the I/O thread without starting anything.
-
-        Returns the worker-side fds (stdout, stderr, return channel; -1 for
-        none).  Pipe ends are new fds the caller must close once the worker
-        has them; FILE targets are the caller's own fds, returned as given.
-        """
-        cdef torchmp_rank_spec spec
-        self._prepare(rank, out, errspec, ret, &spec)
-        return spec.args.child_fds[1], spec.args.child_fds[2], spec.args.child_fds[3]
-
-    def adopt(self, int rank, int pid, bint foreign):
-        """Watch pid as rank (after prepare_rank).  A foreign pid is not our
-        child: its exit arrives as a trailer on its return channel."""
+    def adopt(self, list workers, bint foreign):
+        """Watch started workers: (rank, pid) pairs, in one round trip.  A
+        foreign pid is not our child: its exit arrives as a trailer on its
+        return channel.  If a worker cannot be watched, it and the ones after
+        it in the list are killed and reaped (unless foreign) and an OSError
+        is raised with .rank set."""
+        cdef Py_ssize_t i, count = len(workers)
+        cdef int *ranks = NULL
+        cdef pid_t *pids = NULL
+        cdef int64_t *starts = NULL
         cdef torchmp_exec_error err
-        cdef int rc
+        cdef int adopted, rank
         self._ours()
-        memset(&err, 0, sizeof(err))
-        with nogil:
-            rc = torchmp_group_adopt(self.g, rank, pid, foreign, &err)
-        if rc != 0:
-            raise exec_error(err.step, err.errnum, None)
-        self.started = max(self.started, rank + 1)
+        if count == 0:
+            return
+        ranks = <int *>calloc(count, sizeof(int))
+        pids = <pid_t *>calloc(count, sizeof(pid_t))
+        starts = <int64_t *>calloc(count, sizeof(int64_t))
+        try:
+            if ranks == NULL or pids == NULL or starts == NULL:
+                raise MemoryError()
+            for i in range(count):
+                rank, pid = workers[i]
+                ranks[i] = rank
+                pids[i] = pid
+                if self.fork_ns != NULL and 0 <= rank < self.nstaged and self.fork_ns[rank] != 0:
+                    starts[i] = self.fork_ns[rank]
+                else:
+                    starts[i] = 0
+            for i in range(count):
+                if starts[i] == 0:
+                    break
+            else:
+                i = count
+            memset(&err, 0, sizeof(err))
+            with nogil:
+                adopted = torchmp_group_adopt(self.g, ranks, pids, starts if i == count else NULL,
+                                              <int>count, foreign, &err)
+            if adopted < 0:
+                check(-1, b"handing the adopt request to the I/O thread")
+            for i in range(adopted):
+                self.started = max(self.started, ranks[i] + 1)
+            if adopted < count:
+                exc = exec_error(err.step, err.errnum, None)
+                exc.rank = ranks[adopted]
+                raise exc
+        finally:
+            free(ranks)
+            free(pids)
+            free(starts)
 
-    def drop(self, int rank):
-        """Undo prepare_rank for a rank that was never started."""
+    def drop_unstarted(self):
+        """Close everything prepared for ranks that were never adopted."""
         self._ours()
+        self._unstage()
         with nogil:
-            torchmp_group_drop(self.g, rank)
+            torchmp_group_drop_unstarted(self.g)
 
     def take_return(self, int rank):
         """The bytes rank wrote to its return channel so far (then forgotten)."""

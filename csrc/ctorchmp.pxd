@@ -108,9 +108,10 @@ cdef extern from "torchmp.h" nogil:
                                      const torchmp_needles *out_needles, int filtered_out_fd,
                                      const torchmp_needles *err_needles, int filtered_err_fd)
     int torchmp_group_spawn(torchmp_group *g, torchmp_rank_spec *specs, int count, torchmp_exec_error *err)
-    int torchmp_group_prepare(torchmp_group *g, int rank, torchmp_rank_spec *spec, torchmp_exec_error *err)
-    int torchmp_group_adopt(torchmp_group *g, int rank, pid_t pid, int foreign, torchmp_exec_error *err)
-    int torchmp_group_drop(torchmp_group *g, int rank)
+    int torchmp_group_prepare(torchmp_group *g, torchmp_rank_spec *specs, int count, torchmp_exec_error *err)
+    int torchmp_group_adopt(torchmp_group *g, const int *ranks, const pid_t *pids, const int64_t *start_ns,
+                            int count, int foreign, torchmp_exec_error *err)
+    int torchmp_group_drop_unstarted(torchmp_group *g)
     char *torchmp_group_take_capture(torchmp_group *g, int rank, size_t *len)
     uint64_t torchmp_group_snapshot(torchmp_group *g, torchmp_proc_info *out, int n)
     int torchmp_group_notify_fd(torchmp_group *g)

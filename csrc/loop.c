@@ -113,15 +113,19 @@ struct torchmp_group {
     torchmp_group *next;
 };
 
-enum cmd_type { CMD_SPAWN = 1, CMD_FINISH = 2, CMD_RELEASE = 3, CMD_PREPARE = 4, CMD_ADOPT = 5, CMD_DROP = 6 };
+enum cmd_type {
+    CMD_SPAWN = 1, CMD_FINISH = 2, CMD_RELEASE = 3, CMD_PREPARE = 4, CMD_ADOPT = 5, CMD_DROP_UNSTARTED = 6
+};
 
 typedef struct command {
     int type;
     torchmp_group *group;
-    torchmp_rank_spec *specs;
+    torchmp_rank_spec *specs;  /* SPAWN, PREPARE */
     int count;
-    int rank;                  /* PREPARE, ADOPT, DROP */
-    pid_t pid;                 /* ADOPT */
+    const int *ranks;          /* ADOPT */
+    const pid_t *pids;         /* ADOPT */
+    const int64_t *start_ns;   /* ADOPT: CLOCK_MONOTONIC at fork, or NULL for now */
+    int foreign;               /* ADOPT */
     torchmp_exec_error err;
     int result;
     int done;
@@ -824,6 +828,50 @@ static void collect_groups(torchmp_loop *L)
     }
 }
 
+/* Open the streams of ranks [0, count) for workers forked outside the loop.
+ * All or nothing: on a failure at rank k, whatever was opened is closed again
+ * and k is returned. */
+static int do_prepare(torchmp_loop *L, command *c)
+{
+    torchmp_group *g = c->group;
+    group_link(L, g);
+    for (int i = 0; i < c->count; i++) {
+        if (rank_streams_open(L, &g->procs[i], &c->specs[i], c->specs[i].args.child_fds, &c->err) != 0) {
+            for (int j = 0; j < i; j++) {
+                rank_child_ends_close(&c->specs[j], c->specs[j].args.child_fds);
+                rank_streams_abort(L, &g->procs[j]);
+            }
+            return i;
+        }
+    }
+    return c->count;
+}
+
+/* Watch forked workers.  If one cannot be watched, it and every worker after
+ * it in the batch are killed and reaped (they are our children), and the
+ * index of the first is returned. */
+static int do_adopt(torchmp_loop *L, command *c)
+{
+    torchmp_group *g = c->group;
+    int64_t now = clock_ns(CLOCK_MONOTONIC);
+    for (int i = 0; i < c->count; i++) {
+        int64_t start = c->start_ns != NULL ? c->start_ns[i] : now;
+        if (rank_adopt(L, &g->procs[c->ranks[i]], c->pids[i], c->foreign, start, &c->err) == 0)
+            continue;
+        for (int j = i + 1; j < c->count; j++) {
+            if (!c->foreign) {
+                int status;
+                kill(c->pids[j], SIGKILL);
+                while (waitpid(c->pids[j], &status, 0) < 0 && errno == EINTR)
+                    ;
+            }
+            rank_streams_abort(L, &g->procs[c->ranks[j]]);
+        }
+        return i;
+    }
+    return c->count;
+}
+
 /* ---- the thread --------------------------------------------------------- */
 
 static void run_commands(torchmp_loop *L)
@@ -850,16 +898,16 @@ static void run_commands(torchmp_loop *L)
             c->result = 0;
             break;
         case CMD_PREPARE:
-            group_link(L, c->group);
-            c->result = rank_streams_open(L, &c->group->procs[c->rank], c->specs, c->specs->args.child_fds,
-                                          &c->err);
+            c->result = do_prepare(L, c);
             break;
         case CMD_ADOPT:
-            c->result = rank_adopt(L, &c->group->procs[c->rank], c->pid, c->count, clock_ns(CLOCK_MONOTONIC),
-                                   &c->err);
+            c->result = do_adopt(L, c);
             break;
-        case CMD_DROP:
-            rank_streams_abort(L, &c->group->procs[c->rank]);
+        case CMD_DROP_UNSTARTED:
+            for (int i = 0; i < c->group->nprocs; i++) {
+                if (c->group->procs[i].info.state == TORCHMP_PROC_UNSTARTED)
+                    rank_streams_abort(L, &c->group->procs[i]);
+            }
             c->result = 0;
             break;
         case CMD_RELEASE:
@@ -1175,48 +1223,70 @@ int torchmp_group_spawn(torchmp_group *g, torchmp_rank_spec *specs, int count, t
     return c.result;
 }
 
-static int rank_command(torchmp_group *g, int type, int rank, torchmp_rank_spec *spec, pid_t pid, int flag,
-                        torchmp_exec_error *err)
+int torchmp_group_prepare(torchmp_group *g, torchmp_rank_spec *specs, int count, torchmp_exec_error *err)
 {
     command c;
     if (!group_is_ours(g))
         return -1;
-    if (rank < 0 || rank >= g->nprocs) {
+    if (count < 0 || count > g->nprocs) {
         errno = EINVAL;
         return -1;
     }
+    for (int i = 0; i < count; i++) {
+        if (g->procs[i].info.state != TORCHMP_PROC_UNSTARTED) {
+            errno = EBUSY;
+            return -1;
+        }
+    }
     memset(&c, 0, sizeof(c));
-    c.type = type;
+    c.type = CMD_PREPARE;
     c.group = g;
-    c.rank = rank;
-    c.specs = spec;
-    c.pid = pid;
-    c.count = flag;
+    c.specs = specs;
+    c.count = count;
     submit(g->loop, &c, 1);
-    if (err != NULL)
-        *err = c.err;
-    if (c.result != 0)
-        errno = c.err.errnum;
+    *err = c.err;
     return c.result;
 }
 
-int torchmp_group_prepare(torchmp_group *g, int rank, torchmp_rank_spec *spec, torchmp_exec_error *err)
+int torchmp_group_adopt(torchmp_group *g, const int *ranks, const pid_t *pids, const int64_t *start_ns, int count,
+                        int foreign, torchmp_exec_error *err)
 {
-    if (g->procs[rank].info.state != TORCHMP_PROC_UNSTARTED) {
-        errno = EBUSY;
+    command c;
+    if (!group_is_ours(g))
+        return -1;
+    if (count < 0) {
+        errno = EINVAL;
         return -1;
     }
-    return rank_command(g, CMD_PREPARE, rank, spec, 0, 0, err);
+    for (int i = 0; i < count; i++) {
+        if (ranks[i] < 0 || ranks[i] >= g->nprocs || g->procs[ranks[i]].info.state != TORCHMP_PROC_UNSTARTED) {
+            errno = EINVAL;
+            return -1;
+        }
+    }
+    memset(&c, 0, sizeof(c));
+    c.type = CMD_ADOPT;
+    c.group = g;
+    c.ranks = ranks;
+    c.pids = pids;
+    c.start_ns = start_ns;
+    c.count = count;
+    c.foreign = foreign;
+    submit(g->loop, &c, 1);
+    *err = c.err;
+    return c.result;
 }
 
-int torchmp_group_adopt(torchmp_group *g, int rank, pid_t pid, int foreign, torchmp_exec_error *err)
+int torchmp_group_drop_unstarted(torchmp_group *g)
 {
-    return rank_command(g, CMD_ADOPT, rank, NULL, pid, foreign, err);
-}
-
-int torchmp_group_drop(torchmp_group *g, int rank)
-{
-    return rank_command(g, CMD_DROP, rank, NULL, 0, 0, NULL);
+    command c;
+    if (!group_is_ours(g))
+        return -1;
+    memset(&c, 0, sizeof(c));
+    c.type = CMD_DROP_UNSTARTED;
+    c.group = g;
+    submit(g->loop, &c, 1);
+    return 0;
 }
 
 char *torchmp_group_take_capture(torchmp_group *g, int rank, size_t *len)

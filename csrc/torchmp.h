@@ -242,11 +242,25 @@ torchmp_group *torchmp_group_new(int nprocs,
  * could not take the request at all. */
 int torchmp_group_spawn(torchmp_group *g, torchmp_rank_spec *specs, int count, torchmp_exec_error *err);
 
-/* Fork-from-Python support: set up rank's pipes on the loop and return the
- * child-side fds in spec->args.child_fds (the caller closes them after its
- * fork); then adopt the forked pid, or drop the rank if the fork failed. */
-int torchmp_group_prepare(torchmp_group *g, int rank, torchmp_rank_spec *spec, torchmp_exec_error *err);
-int torchmp_group_adopt(torchmp_group *g, int rank, pid_t pid, int foreign, torchmp_exec_error *err);
+/* Workers forked outside the loop (from Python, or by a forkserver), in one
+ * loop round trip per step rather than per rank:
+ *
+ * prepare opens the streams of ranks [0, count) and returns the worker-side
+ * fds in specs[i].args.child_fds (pipe ends the caller closes once the worker
+ * has them).  Returns count, or k with *err filled if rank k failed, in which
+ * case nothing stays open; -1 with errno if the request was refused.
+ *
+ * adopt starts watching pids[i] as ranks[i], started at start_ns[i]
+ * (CLOCK_MONOTONIC; start_ns NULL: now).  A foreign pid is not our child:
+ * its exit arrives as a trailer on its return channel.  Returns count, or k
+ * with *err filled: workers k.. are then killed and reaped (unless foreign)
+ * and their streams closed.
+ *
+ * drop_unstarted closes the streams of every rank never adopted. */
+int torchmp_group_prepare(torchmp_group *g, torchmp_rank_spec *specs, int count, torchmp_exec_error *err);
+int torchmp_group_adopt(torchmp_group *g, const int *ranks, const pid_t *pids, const int64_t *start_ns, int count,
+                        int foreign, torchmp_exec_error *err);
+int torchmp_group_drop_unstarted(torchmp_group *g);
 
 /* The record a forkserver appends to a worker's return channel once it has
  * reaped the worker (the worker is its child, not ours). */
@@ -258,7 +272,6 @@ typedef struct {
     int64_t stime_ns;
     int64_t maxrss_kb;
 } torchmp_exit_trailer;
-int torchmp_group_drop(torchmp_group *g, int rank);
 
 /* Take the bytes a rank wrote to its return channel (malloc'ed; the caller
  * frees).  *len = 0 and NULL when there are none. */

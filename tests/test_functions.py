@@ -914,6 +914,58 @@ def test_fork_worker_exiting_at_once_is_seen_while_the_io_thread_is_busy(tmp_pat
 
 # --- fd hygiene -----------------------------------------------------------------------
 
+@pytest.mark.parametrize("start_method", METHODS)
+def test_a_worker_holds_no_other_ranks_pipe_ends(tmp_path, start_method, monkeypatch):
+    """Every rank's streams are prepared before the first worker starts: a
+    worker holding another rank's write ends would delay that rank's EOFs."""
+    use_fd_level_std(monkeypatch)
+    launcher_pipes = set(fw.pipe_write_ends())
+    result = run(tmp_path, fw.pipe_write_ends, {r: () for r in range(3)}, start_method, tee=Std.ALL)
+    assert not result.is_failed(), result.failures
+    own = {rank: set(pipes) - launcher_pipes for rank, pipes in result.return_values.items()}
+    for rank in own:
+        # stdout, stderr and the return channel: its own three pipes, no more
+        assert len(own[rank]) == 3, (rank, own)
+        for other in own:
+            if other != rank:
+                assert not own[rank] & own[other], (rank, other, own)
+
+
+class _ForkFailsAt(_core.Group):
+    """A native group whose fork of one rank fails (as fork() does under
+    RLIMIT_NPROC or memory pressure), or is interrupted by a signal."""
+
+    fail_rank = 0
+    error: BaseException = OSError(11, "fork: Resource temporarily unavailable")
+    forked: list[int] = []
+
+    def fork_rank(self, rank, *args):
+        if rank == self.fail_rank:
+            raise self.error
+        pid, ret_fd = super().fork_rank(rank, *args)
+        if pid:
+            type(self).forked.append(pid)
+        return pid, ret_fd
+
+
+@pytest.mark.parametrize("error", [OSError(11, "fork: Resource temporarily unavailable"), KeyboardInterrupt()],
+                         ids=["EAGAIN", "interrupt"])
+def test_a_fork_failing_half_way_tears_down_the_ranks_started(tmp_path, monkeypatch, error):
+    use_fd_level_std(monkeypatch)
+    group_class = type("Group", (_ForkFailsAt,), {"fail_rank": 2, "error": error, "forked": []})
+    monkeypatch.setattr(_core, "Group", group_class)
+    with pytest.raises(type(error)):
+        launch(fw.announce_and_sleep, {r: (str(tmp_path / f"pid{r}"),) for r in range(4)},
+               log_dir=tmp_path / "logs", start_method="fork", tee=Std.ALL)
+    assert len(group_class.forked) == 2
+    for pid in group_class.forked:
+        # killed and reaped by the launcher, not left to the leak guard
+        assert not pid_alive(pid)
+        with pytest.raises(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+
+
+
 def _fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 

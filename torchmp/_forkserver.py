@@ -161,35 +161,35 @@ class ForkServer:
         with self._lock:
             if not self._alive():
                 self._start()
-            for rank in range(ctx.nprocs):
-                out, err = streams[rank]
-                out_fd, err_fd, ret_fd = group.prepare_rank(rank, out, err, (_core.STREAM_CAPTURE, -1, -1, None))
-                owned = [fd for fd, spec in ((out_fd, out), (err_fd, err)) if fd >= 0 and spec[0] != _core.STREAM_FILE]
-                owned.append(ret_fd)
-                try:
-                    # The launcher's environment now, not the server's from
-                    # when it started: a variable removed since must not leak.
-                    env = _worker.full_env(ctx.envs[rank])
-                    body = pickle.dumps((ctx.entrypoint, ctx.args[rank], env),
-                                        protocol=pickle.HIGHEST_PROTOCOL)
-                    fds = [fd for fd in (out_fd, err_fd) if fd >= 0] + [ret_fd]
-                    flags = (out_fd >= 0) | (err_fd >= 0) << 1
-                    self._send_message(bytes([flags]) + body, fds)
-                    pid = self._recv_reply()
-                except BaseException as e:
-                    group.drop(rank)
-                    if isinstance(e, ForkServerDied):
+            # Every rank's streams in one I/O-thread round trip.
+            worker_fds = group.prepare([(out, err, (_core.STREAM_CAPTURE, -1, -1, None)) for out, err in streams])
+            try:
+                for rank in range(ctx.nprocs):
+                    out_fd, err_fd, ret_fd = worker_fds[rank]
+                    try:
+                        # The launcher's environment now, not the server's from
+                        # when it started: a variable removed since must not leak.
+                        env = _worker.full_env(ctx.envs[rank])
+                        body = pickle.dumps((ctx.entrypoint, ctx.args[rank], env),
+                                            protocol=pickle.HIGHEST_PROTOCOL)
+                        fds = [fd for fd in (out_fd, err_fd) if fd >= 0] + [ret_fd]
+                        flags = (out_fd >= 0) | (err_fd >= 0) << 1
+                        self._send_message(bytes([flags]) + body, fds)
+                        pid = self._recv_reply()
+                    except ForkServerDied:
                         self._stop()
-                    ctx._close(signal.SIGKILL, timeout=5)
-                    raise
-                finally:
-                    for fd in owned:
-                        os.close(fd)
-                if pid <= 0:
-                    group.drop(rank)
-                    ctx._close(signal.SIGKILL, timeout=5)
-                    raise OSError(-pid, f"forkserver could not fork local rank {rank}: {os.strerror(-pid)}")
-                group.adopt(rank, pid, True)
+                        raise
+                    finally:
+                        group.close_worker_fds(rank)
+                    if pid <= 0:
+                        raise OSError(-pid, f"forkserver could not fork local rank {rank}: {os.strerror(-pid)}")
+                    # Watched at once: its pidfd should be open before it can exit.
+                    group.adopt([(rank, pid)], True)
+            except BaseException:
+                group.drop_unstarted()
+                ctx._close(signal.SIGKILL, timeout=5)
+                raise
+            group.drop_unstarted()
 
 
 _server: ForkServer | None = None

@@ -40,7 +40,9 @@ from collections.abc import Callable
 from typing import Any
 
 from torchmp import _core, _worker
-from torchmp.api import _CAPTURE, _ExecPlan, _NativeContext, _exec_env, handled_signals, logger
+from torchmp.api import (
+    _CAPTURE, KILL_GRACE_SECONDS, _ExecPlan, _NativeContext, _exec_env, handled_signals, logger,
+)
 from torchmp.logs_specs import LogsSpecs
 
 __all__ = ["MultiprocessContext"]
@@ -93,7 +95,14 @@ def _check_picklable(start_method: str, entrypoint: Callable[..., Any], args: di
 class MultiprocessContext(_NativeContext):
     """``PContext`` holding worker processes invoked as a function."""
 
-    _fds_per_rank = 3  # pidfd, return channel, spawn payload
+    _fds_per_rank = 3  # pidfd, return channel (both ends until forked), spawn payload
+
+    def _fds_needed(self) -> int:
+        needed = super()._fds_needed()
+        if self.start_method != "spawn":
+            # Every rank's teed pipe ends are prepared before the first fork.
+            needed += len(self._logs_dest.tee_stdouts) + len(self._logs_dest.tee_stderrs)
+        return needed
 
     def __init__(
         self,
@@ -167,21 +176,47 @@ class MultiprocessContext(_NativeContext):
                 pass
         on_main_thread = threading.current_thread() is threading.main_thread()
         launcher_signals = tuple(int(s) for s in handled_signals())
-        for rank in range(self.nprocs):
-            out, err = streams[rank]
-            try:
-                pid, ret_fd = group.fork_rank(rank, out, err, _CAPTURE, on_main_thread, launcher_signals)
-            except OSError as e:
-                logger.error("failed to fork local rank %s of %s: %s", rank, self.name, e)
-                self._close(signal.SIGKILL, timeout=5)
-                raise
-            if pid == 0:
-                # The child must never unwind into the launcher's frames.
-                try:
-                    _fork_child(self.entrypoint, self.args[rank], self.envs[rank],  # type: ignore[arg-type]
-                                ret_fd, launcher_signals)
-                finally:
-                    os._exit(1)
+        # One I/O-thread round trip to open every rank's streams and one to
+        # watch every worker: per-rank round trips cost more than the fork
+        # itself once forked workers compete for the CPU.
+        try:
+            group.prepare([(out, err, _CAPTURE) for out, err in streams])
+        except OSError as e:
+            logger.error("failed to set up the streams of local rank %s of %s: %s",
+                         getattr(e, "rank", "?"), self.name, e)
+            raise
+        forked: list[tuple[int, int]] = []
+        try:
+            for rank in range(self.nprocs):
+                pid, ret_fd = group.fork_rank(rank, on_main_thread, launcher_signals)
+                if pid == 0:
+                    # The child must never unwind into the launcher's frames.
+                    try:
+                        _fork_child(self.entrypoint, self.args[rank], self.envs[rank],  # type: ignore[arg-type]
+                                    ret_fd, launcher_signals)
+                    finally:
+                        os._exit(1)
+                forked.append((rank, pid))
+        except BaseException as e:
+            if isinstance(e, OSError):
+                logger.error("failed to fork local rank %s of %s: %s", len(forked), self.name, e)
+            self._abort_launch(group, forked)
+            raise
+        try:
+            group.adopt(forked, False)
+        except BaseException:
+            self._abort_launch(group, [])
+            raise
+        group.drop_unstarted()
+
+    def _abort_launch(self, group: Any, forked: list[tuple[int, int]]) -> None:
+        """Watch what was forked (so close() can kill it), drop the rest,
+        and tear everything down."""
+        try:
+            group.adopt(forked, False)
+        finally:
+            group.drop_unstarted()
+            self._close(signal.SIGKILL, timeout=KILL_GRACE_SECONDS)
 
     # -- results ----------------------------------------------------------------
     def _return_values(self, exited_ok: list[int]) -> dict[int, Any]:
