@@ -18,15 +18,6 @@ from ctorchmp cimport *
 
 import os as _os
 
-cdef extern from "<poll.h>" nogil:
-    struct pollfd:
-        int fd
-        short events
-        short revents
-    int poll(pollfd *fds, unsigned long nfds, int timeout)
-    enum:
-        POLLIN
-
 cdef extern from "Python.h":
     void PyOS_BeforeFork()
     void PyOS_AfterFork_Parent()
@@ -648,26 +639,20 @@ cdef class Group:
         """Block (GIL released) until an exit is recorded or timeout seconds
         pass (negative: forever).  Returns True if woken by an exit.  Signal
         handlers run while waiting, so SignalException can interrupt it."""
-        cdef pollfd p
-        cdef int rc, ms, err
+        cdef int rc, err, fd
+        cdef int64_t wait_ns
         import time
         self._ours()
         deadline = None if timeout < 0 else time.monotonic() + timeout
-        p.fd = torchmp_group_notify_fd(self.g)
-        p.events = POLLIN
+        fd = torchmp_group_notify_fd(self.g)
         while True:
             if deadline is None:
-                ms = -1
+                wait_ns = -1
             else:
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    ms = 0
-                else:
-                    # Round up, as selectors do: never wake just before the deadline.
-                    ms = <int>min(remaining * 1000.0 + 0.999, 2**31 - 1)
-            p.revents = 0
+                wait_ns = <int64_t>(min(remaining, 1e9) * 1e9) if remaining > 0 else 0
             with nogil:
-                rc = poll(&p, 1, ms)
+                rc = torchmp_wait_readable(fd, wait_ns)
                 err = errno
             if rc < 0:
                 if err == EINTR:
@@ -677,7 +662,7 @@ cdef class Group:
             if rc > 0:
                 torchmp_group_drain_notify(self.g)
                 return True
-            if ms == 0 or deadline is not None and time.monotonic() >= deadline:
+            if wait_ns == 0 or deadline is not None and time.monotonic() >= deadline:
                 return False
 
     def killpg(self, int sig, bint include_exited=False):

@@ -102,6 +102,7 @@ cdef extern from "torchmp.h" nogil:
     ctypedef struct torchmp_group:
         pass
 
+    int torchmp_wait_readable(int fd, int64_t timeout_ns) nogil
     int torchmp_loop_backend()
     int torchmp_loop_fd_count()
     torchmp_group *torchmp_group_new(int nprocs,

@@ -14,6 +14,7 @@
 #include <poll.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #ifdef TORCHMP_HAVE_EPOLL
@@ -173,4 +174,27 @@ int torchmp_poller_wait(torchmp_poller *p, torchmp_event *events, int max_events
         }
         return out;
     }
+}
+
+int torchmp_wait_readable(int fd, int64_t timeout_ns)
+{
+    struct pollfd p;
+    p.fd = fd;
+    p.events = POLLIN;
+    p.revents = 0;
+#ifdef TORCHMP_HAVE_PPOLL
+    if (timeout_ns >= 0) {
+        struct timespec ts;
+        ts.tv_sec = (time_t)(timeout_ns / 1000000000);
+        ts.tv_nsec = (long)(timeout_ns % 1000000000);
+        return ppoll(&p, 1, &ts, NULL);
+    }
+    return ppoll(&p, 1, NULL, NULL);
+#else
+    if (timeout_ns < 0)
+        return poll(&p, 1, -1);
+    /* Round up, as selectors do: never wake just before the deadline. */
+    int64_t ms = (timeout_ns + 999999) / 1000000;
+    return poll(&p, 1, ms > INT32_MAX ? INT32_MAX : (int)ms);
+#endif
 }

@@ -31,6 +31,7 @@
 #define TORCHMP_HAVE_VFORK 1
 #define TORCHMP_HAVE_PROC_FD_DIR 1
 #define TORCHMP_HAVE_PIPE2 1
+#define TORCHMP_HAVE_PPOLL 1
 #endif
 
 /* ---------------------------------------------------------------------------
@@ -177,6 +178,12 @@ int torchmp_poller_del(torchmp_poller *p, int fd);
 /* Wait forever; returns the number of events (0 on EINTR) or -1. */
 int torchmp_poller_wait(torchmp_poller *p, torchmp_event *events, int max_events);
 int torchmp_poller_fd_count(const torchmp_poller *p);
+
+/* Wait until fd is readable or timeout_ns pass (negative: forever), to the
+ * microsecond where the platform allows (ppoll) rather than poll()'s whole
+ * milliseconds, which would overshoot a close() timeout.  Returns poll()'s
+ * result; -1 with errno (EINTR included). */
+int torchmp_wait_readable(int fd, int64_t timeout_ns);
 
 /* ---------------------------------------------------------------------------
  * loop.c: the I/O thread and worker groups (one group per PContext).

@@ -41,7 +41,8 @@ from typing import Any
 
 from torchmp import _core, _worker
 from torchmp.api import (
-    _CAPTURE, KILL_GRACE_SECONDS, _ExecPlan, _NativeContext, _exec_env, handled_signals, logger,
+    _CAPTURE, KILL_GRACE_SECONDS, _ExecPlan, _NativeContext, _exec_env, _launcher_environ, handled_signals,
+    logger,
 )
 from torchmp.logs_specs import LogsSpecs
 
@@ -154,13 +155,14 @@ class MultiprocessContext(_NativeContext):
         argv = _worker.interpreter_argv("torchmp._worker", "spawn_main")
         path = os.fsencode(sys.executable)
         payload_fds: list[int] = []
+        environ = _launcher_environ()
         try:
             plans = []
             for rank in range(self.nprocs):
                 payload = _worker.encode_payload(prep, self.entrypoint, self.args[rank])  # type: ignore[arg-type]
                 fd = _payload_file(payload)
                 payload_fds.append(fd)
-                plans.append(_ExecPlan(path, argv, _exec_env(rank, self.envs[rank]), capture_return=True,
+                plans.append(_ExecPlan(path, argv, _exec_env(rank, self.envs[rank], environ), capture_return=True,
                                        payload_fd=fd))
             self._spawn(group, streams, plans)
         finally:

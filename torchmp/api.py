@@ -39,6 +39,7 @@ launcher got a signal     ``SignalException`` (from ``start``/``wait``)
 
 from __future__ import annotations
 
+import _signal
 import abc
 import errno
 import logging
@@ -130,7 +131,9 @@ def _install_signal_handlers() -> None:
         return
     for sig in handled_signals():
         try:
-            signal.signal(sig, _terminate_process_handler)
+            # _signal: signal.signal's enum conversions cost more than the
+            # system call, on every launch.
+            _signal.signal(sig, _terminate_process_handler)
         except (OSError, ValueError, RuntimeError) as e:
             logger.warning("Failed to register signal handler for %s: %s", sig.name, e)
 
@@ -445,9 +448,18 @@ class _ExecPlan:
     payload_fd: int = -1
 
 
-def _exec_env(rank: int, overrides: Mapping[Any, Any]) -> list[bytes]:
-    """The launcher's environment with envs[rank] on top, as envp entries."""
-    env = dict(os.environb)
+def _launcher_environ() -> dict[bytes, bytes]:
+    """A snapshot of the launcher's environment as bytes."""
+    data = getattr(os.environb, "_data", None)
+    # os.environb's own dict, copied at C speed; iterating the mapping costs
+    # a Python-level call per variable, per rank.
+    return dict(data) if isinstance(data, dict) else dict(os.environb)
+
+
+def _exec_env(rank: int, overrides: Mapping[Any, Any], base: dict[bytes, bytes] | None = None) -> list[bytes]:
+    """The launcher's environment (or base, a _launcher_environ() snapshot)
+    with envs[rank] on top, as envp entries."""
+    env = _launcher_environ() if base is None else dict(base)
     for key, value in overrides.items():
         kb, vb = _encode_env_item(rank, key, value)
         env[kb] = vb
@@ -830,10 +842,11 @@ class SubprocessContext(_NativeContext):
 
     def _launch(self, group: Any, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
         plans = []
+        environ = _launcher_environ()
         for rank in range(self.nprocs):
             argv = [os.fsencode(self.entrypoint)]  # type: ignore[arg-type]
             argv += [a if isinstance(a, bytes) else os.fsencode(str(a)) for a in self.args[rank]]
-            plans.append(_ExecPlan(self._paths[rank], argv, _exec_env(rank, self.envs[rank])))
+            plans.append(_ExecPlan(self._paths[rank], argv, _exec_env(rank, self.envs[rank], environ)))
         self._spawn(group, streams, plans)
 
 

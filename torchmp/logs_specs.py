@@ -242,6 +242,9 @@ def validate_full_rank(d: Mapping[int, Any], nprocs: int, what: str) -> None:
       ...
     torchmp.logs_specs.RankMappingError: envs: missing local ranks [1]; unexpected keys ['a'] (expected keys 0..1 for nprocs=2)
     """
+    if type(d) is dict and type(nprocs) is int and len(d) == nprocs and all(
+            type(k) is int and 0 <= k < nprocs for k in d):
+        return  # the common case, checked on every launch
     if not _is_int(nprocs):
         raise TypeError(f"nprocs must be an int, got {type(nprocs).__name__} {nprocs!r}")
     if nprocs < 0:
@@ -438,8 +441,11 @@ class DefaultLogsSpecs(LogsSpecs):
 
     def _make_run_log_dir(self, run_id: str) -> str:
         base = self._root_log_dir or tempfile.mkdtemp(prefix="torchelastic_")
-        os.makedirs(base, exist_ok=True)
-        run_dir = tempfile.mkdtemp(prefix=f"{run_id}_", dir=base)
+        try:
+            run_dir = tempfile.mkdtemp(prefix=f"{run_id}_", dir=base)
+        except FileNotFoundError:  # log_dir was removed since __init__
+            os.makedirs(base, exist_ok=True)
+            run_dir = tempfile.mkdtemp(prefix=f"{run_id}_", dir=base)
         logger.info("log directory set to: %s", run_dir)
         return run_dir
 
@@ -495,11 +501,16 @@ class DefaultLogsSpecs(LogsSpecs):
                 os.devnull, os.devnull,
             )
 
-        if not self._run_log_dir:
+        fresh = not self._run_log_dir
+        if fresh:
             self._run_log_dir = self._make_run_log_dir(run_id)
+        assert self._run_log_dir is not None
         attempt_dir = os.path.join(self._run_log_dir, f"attempt_{restart_count}")
-        shutil.rmtree(attempt_dir, ignore_errors=True)
-        os.makedirs(attempt_dir)
+        if fresh:
+            os.mkdir(attempt_dir)  # in a directory made just now: nothing to clear
+        else:
+            shutil.rmtree(attempt_dir, ignore_errors=True)
+            os.makedirs(attempt_dir)
 
         for rank in range(nprocs):
             rank_dir = os.path.join(attempt_dir, str(rank))

@@ -42,8 +42,10 @@ def run_funclaunch(ctx) -> Result:
                 return {key: (t1 - t0) / 1e6}
 
             ctx.log(f"  {method} N={n}")
-            # forkserver: one warm-up round so the server's start-up is not timed
-            samples = interleave(impls, ctx.reps(3, 1), trial, warmup=1 if method == "forkserver" else 0,
+            # forkserver: one warm-up round so the server's start-up is not timed.
+            # spawn gets few repetitions: torch's spawned workers import torch.
+            reps = ctx.reps(3, 1) if method == "spawn" else ctx.reps(11, 3)
+            samples = interleave(impls, reps, trial, warmup=1 if method == "forkserver" else 0,
                                  on_error=lambda i, m, k=key: res.error(i, k, m), log=ctx.log)
             record(res, samples)
     return res
