@@ -103,6 +103,9 @@ class Result:
         return m.reduce(impl) if m else None
 
 
+QUICK_TRIAL_S = 0.1
+
+
 def interleave(
     impls: list[str],
     reps: int,
@@ -117,9 +120,17 @@ def interleave(
     and order effects cancel.  Warm-up rounds are run and discarded.  An impl
     whose trial raises is recorded through ``on_error`` and not run again for
     this parameter set.
+
+    A trial shorter than QUICK_TRIAL_S is preceded by an untimed one of the
+    same impl: after a second of idling (torch's default ``wait()`` sleeps that
+    long) the next process creation on a VM is 3-5x slower, a penalty that
+    survives busy CPUs and only creating processes clears.  Without it the
+    impl that follows torch gets a slow sample every other round and its
+    median lands between two modes.
     """
     out: dict[str, list[dict[str, float]]] = {i: [] for i in impls}
     dead: set[str] = set()
+    quick: dict[str, bool] = {}
     rounds = [(True, r) for r in range(warmup)] + [(False, r) for r in range(reps)]
     for n, (is_warm, r) in enumerate(rounds):
         order = impls if n % 2 == 0 else impls[::-1]
@@ -127,7 +138,11 @@ def interleave(
             if impl in dead:
                 continue
             try:
+                if quick.get(impl):
+                    trial(impl)
+                t0 = time.monotonic()
                 sample = trial(impl)
+                quick[impl] = time.monotonic() - t0 < QUICK_TRIAL_S
             except (KeyboardInterrupt, SystemExit):
                 raise
             except BaseException as e:  # noqa: BLE001 - a failing impl must not stop the run

@@ -1233,29 +1233,8 @@ static void note_pipes(torchmp_group *g, const torchmp_rank_spec *specs, int cou
     }
 }
 
-int torchmp_group_spawn(torchmp_group *g, torchmp_rank_spec *specs, int count, torchmp_exec_error *err)
-{
-    command c;
-    torchmp_loop *L = g->loop;
-
-    if (!group_is_ours(g))
-        return -1;
-    if (count > g->nprocs) {
-        errno = EINVAL;
-        return -1;
-    }
-    note_pipes(g, specs, count);
-    memset(&c, 0, sizeof(c));
-    c.type = CMD_SPAWN;
-    c.group = g;
-    c.specs = specs;
-    c.count = count;
-    submit(L, &c, 1);
-    *err = c.err;
-    return c.result;
-}
-
-int torchmp_group_prepare(torchmp_group *g, torchmp_rank_spec *specs, int count, torchmp_exec_error *err)
+/* SPAWN and PREPARE: a command over ranks [0, count), all still unstarted. */
+static int ranks_command(torchmp_group *g, int type, torchmp_rank_spec *specs, int count, torchmp_exec_error *err)
 {
     command c;
     if (!group_is_ours(g))
@@ -1272,13 +1251,23 @@ int torchmp_group_prepare(torchmp_group *g, torchmp_rank_spec *specs, int count,
     }
     note_pipes(g, specs, count);
     memset(&c, 0, sizeof(c));
-    c.type = CMD_PREPARE;
+    c.type = type;
     c.group = g;
     c.specs = specs;
     c.count = count;
     submit(g->loop, &c, 1);
     *err = c.err;
     return c.result;
+}
+
+int torchmp_group_spawn(torchmp_group *g, torchmp_rank_spec *specs, int count, torchmp_exec_error *err)
+{
+    return ranks_command(g, CMD_SPAWN, specs, count, err);
+}
+
+int torchmp_group_prepare(torchmp_group *g, torchmp_rank_spec *specs, int count, torchmp_exec_error *err)
+{
+    return ranks_command(g, CMD_PREPARE, specs, count, err);
 }
 
 int torchmp_group_adopt(torchmp_group *g, const int *ranks, const pid_t *pids, const int64_t *start_ns, int count,

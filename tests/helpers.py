@@ -9,6 +9,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import psutil
+
 import torchmp
 from torchmp import DefaultLogsSpecs, Std
 
@@ -105,3 +107,47 @@ def run_launcher(script: str, *, timeout: float = 60, env=None, stdout=subproces
 def python_worker(code: str) -> tuple[str, tuple[str, ...]]:
     """(entrypoint, args) for a binary launch of `python -c code`."""
     return sys.executable, ("-c", textwrap.dedent(code))
+
+
+# --- processes found by a tag in their environment --------------------------
+
+#: Set to a unique value in the environment of a launcher under test, so its
+#: workers (which inherit it) can be found and killed even if it dies.
+TAG_VAR = "TORCHMP_TEST_TAG"
+
+
+def tagged(tag: str) -> list[psutil.Process]:
+    """The processes whose environment has TAG_VAR=tag."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get(TAG_VAR) == tag:
+                found.append(p)
+        except (psutil.Error, OSError):
+            pass
+    return found
+
+
+def kill_tagged(tag: str) -> None:
+    for p in tagged(tag):
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(p.pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def wait_no_tagged(tag: str, timeout: float = 5.0) -> list[psutil.Process]:
+    """Wait until no tagged process is left (zombies aside); returns those left."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = []
+        for p in tagged(tag):
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    left.append(p)
+            except psutil.Error:
+                pass  # gone meanwhile
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.02)

@@ -23,45 +23,17 @@ import pytest
 
 import torchmp
 
+from helpers import TAG_VAR, kill_tagged, tagged, wait_no_tagged
+
 # Subprocesses import the torchmp these tests import (installed, or a built
 # source tree), and run from "/" so that `python -m` cannot pick up an
 # unbuilt source tree from the current directory.
 TORCHMP_PATH = str(Path(torchmp.__file__).resolve().parent.parent)
-TAG_VAR = "TORCHMP_TEST_TAG"
 
 ROW = re.compile(
     r"^\s*(?P<rank>\d+)\s+(?P<pid>\d+)\s+(?P<exit>\S+)\s+(?P<wall>\d+\.\d{3})s\s+"
     r"(?P<cpu>\d+\.\d{3})s\s+(?P<rss>\d+\.\d) MiB(?:\s+(?P<note>.+))?$"
 )
-
-
-def tagged(tag: str) -> list[psutil.Process]:
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get(TAG_VAR) == tag:
-                found.append(p)
-        except (psutil.Error, OSError):
-            pass
-    return found
-
-
-def kill_tagged(tag: str) -> None:
-    for p in tagged(tag):
-        for kill in (os.killpg, os.kill):
-            try:
-                kill(p.pid, signal.SIGKILL)
-            except OSError:
-                pass
-
-
-def wait_no_tagged(tag: str, timeout: float = 5.0) -> list[psutil.Process]:
-    deadline = time.monotonic() + timeout
-    while True:
-        left = [p for p in tagged(tag) if p.status() != psutil.STATUS_ZOMBIE]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.02)
 
 
 class Cli:

@@ -24,6 +24,8 @@ import pytest
 
 import torchmp
 
+from helpers import TAG_VAR, kill_tagged, tagged, wait_no_tagged
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed.run")
 if not torch.distributed.is_available():  # pragma: no cover
@@ -35,7 +37,6 @@ pytestmark = pytest.mark.torch
 # source tree), and run from "/" so that `python -m` cannot pick up an
 # unbuilt source tree from the current directory.
 TORCHMP_PATH = str(Path(torchmp.__file__).resolve().parent.parent)
-TAG_VAR = "TORCHMP_TEST_TAG"
 
 TORCHMP = [sys.executable, "-m", "torchmp", "torchrun"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -55,41 +56,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def tagged(tag: str) -> list[psutil.Process]:
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get(TAG_VAR) == tag:
-                found.append(p)
-        except (psutil.Error, OSError):
-            pass
-    return found
-
-
-def kill_tagged(tag: str) -> None:
-    for p in tagged(tag):
-        for kill in (os.killpg, os.kill):
-            try:
-                kill(p.pid, signal.SIGKILL)
-            except OSError:
-                pass
-
-
-def wait_no_tagged(tag: str, timeout: float = 5.0) -> list[psutil.Process]:
-    deadline = time.monotonic() + timeout
-    while True:
-        left = []
-        for p in tagged(tag):
-            try:
-                if p.status() != psutil.STATUS_ZOMBIE:
-                    left.append(p)
-            except psutil.Error:
-                pass
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.05)
 
 
 class Launch:

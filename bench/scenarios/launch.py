@@ -6,11 +6,13 @@ tee NONE (their per-rank log directories are part of what the API does).
 Targets: N=128 <= 1.15x floor, N=1 <= 1.5x floor.
 """
 
+import os
+
 from bench.common import TRIAL_TIMEOUT, Result, interleave, mono_ns, record, trial_scope
 from bench.impls import ALL_IMPLS
 
 TITLE = "launch+reap of N x /bin/true: start .. wait() returned"
-SIZES = [1, 16, 128, 1024]
+SIZES = [int(s) for s in os.environ.get("BENCH_LAUNCH_SIZES", "1,16,128,1024").split(",")]
 # (full reps, quick reps, warm-up rounds)
 REPS = {1: (30, 7, 2), 16: (15, 5, 1), 128: (7, 3, 1), 1024: (3, 1, 0)}
 
