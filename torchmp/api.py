@@ -39,7 +39,7 @@ launcher got a signal     ``SignalException`` (from ``start``/``wait``)
 
 from __future__ import annotations
 
-import _signal
+import _signal  # type: ignore[import-not-found]  # the C half of signal, without its enum wrapping
 import abc
 import errno
 import logging
@@ -449,21 +449,22 @@ class _ExecPlan:
 
 
 def _launcher_environ() -> dict[bytes, bytes]:
-    """A snapshot of the launcher's environment as bytes."""
+    """The launcher's environment as ready envp entries (b"K=V"), by name."""
     data = getattr(os.environb, "_data", None)
-    # os.environb's own dict, copied at C speed; iterating the mapping costs
-    # a Python-level call per variable, per rank.
-    return dict(data) if isinstance(data, dict) else dict(os.environb)
+    # os.environb's own dict, read at C speed; iterating the mapping costs a
+    # Python-level call per variable.
+    items = data.items() if isinstance(data, dict) else os.environb.items()
+    return {k: k + b"=" + v for k, v in items}
 
 
 def _exec_env(rank: int, overrides: Mapping[Any, Any], base: dict[bytes, bytes] | None = None) -> list[bytes]:
-    """The launcher's environment (or base, a _launcher_environ() snapshot)
-    with envs[rank] on top, as envp entries."""
-    env = _launcher_environ() if base is None else dict(base)
+    """The launcher's environment (or base, a _launcher_environ() snapshot
+    taken once per launch) with envs[rank] on top, as envp entries."""
+    entries = _launcher_environ() if base is None else dict(base)
     for key, value in overrides.items():
         kb, vb = _encode_env_item(rank, key, value)
-        env[kb] = vb
-    return [k + b"=" + v for k, v in env.items()]
+        entries[kb] = kb + b"=" + vb
+    return list(entries.values())
 
 
 class _NativeContext(PContext):
@@ -832,8 +833,16 @@ class SubprocessContext(_NativeContext):
                           envs: dict[int, dict[str, str]]) -> None:
         if not isinstance(entrypoint, str):
             raise TypeError(f"SubprocessContext needs a str entrypoint, got {type(entrypoint).__name__}")
-        # Resolve now, so a missing binary fails before any directory exists.
-        self._paths = {rank: resolve_executable(entrypoint, envs[rank]) for rank in range(len(args))}
+        # Resolve now, so a missing binary fails before any directory exists;
+        # once per distinct PATH, not once per rank.
+        resolved: dict[str | None, bytes] = {}
+        self._paths: dict[int, bytes] = {}
+        for rank in range(len(args)):
+            path_var = envs[rank].get("PATH")
+            key = None if path_var is None else str(path_var)
+            if key not in resolved:
+                resolved[key] = resolve_executable(entrypoint, envs[rank])
+            self._paths[rank] = resolved[key]
         for rank, argv in args.items():
             for a in argv:
                 has_nul = b"\0" in a if isinstance(a, bytes) else "\0" in str(a)

@@ -512,13 +512,19 @@ class DefaultLogsSpecs(LogsSpecs):
             shutil.rmtree(attempt_dir, ignore_errors=True)
             os.makedirs(attempt_dir)
 
+        # Plain ints and string concatenation: this loop runs once per rank
+        # on every launch, and Std's enum operators cost more than the mkdir.
+        out_bit, err_bit = int(Std.OUT), int(Std.ERR)
+        log_info = logger.isEnabledFor(logging.INFO)
+        prefix = attempt_dir + os.sep
         for rank in range(nprocs):
-            rank_dir = os.path.join(attempt_dir, str(rank))
+            rank_dir = prefix + str(rank)
             os.mkdir(rank_dir)
-            if redirects[rank] & Std.OUT:
-                stdouts[rank] = os.path.join(rank_dir, "stdout.log")
-            if redirects[rank] & Std.ERR:
-                stderrs[rank] = os.path.join(rank_dir, "stderr.log")
+            redirected, teed = int(redirects[rank]), int(tee[rank])
+            if redirected & out_bit:
+                stdouts[rank] = rank_dir + os.sep + "stdout.log"
+            if redirected & err_bit:
+                stderrs[rank] = rank_dir + os.sep + "stderr.log"
             if rank_filter and rank not in rank_filter:
                 # Keep the files, but nothing of this rank reaches the console.
                 if stdouts[rank] == _CONSOLE:
@@ -526,13 +532,14 @@ class DefaultLogsSpecs(LogsSpecs):
                 if stderrs[rank] == _CONSOLE:
                     stderrs[rank] = os.devnull
             else:
-                if tee[rank] & Std.OUT:
+                if teed & out_bit:
                     tee_stdouts[rank] = stdouts[rank]
-                if tee[rank] & Std.ERR:
+                if teed & err_bit:
                     tee_stderrs[rank] = stderrs[rank]
-            error_file = os.path.join(rank_dir, "error.json")
+            error_file = rank_dir + os.sep + "error.json"
             error_files[rank] = error_file
-            logger.info("Setting worker%s reply file to: %s", rank, error_file)
+            if log_info:
+                logger.info("Setting worker%s reply file to: %s", rank, error_file)
             envs[rank][ERROR_FILE_ENV] = error_file
 
         return LogsDest(
