@@ -104,6 +104,7 @@ class Result:
 
 
 QUICK_TRIAL_S = 0.1
+PRE_TRIALS = 5
 
 
 def interleave(
@@ -121,12 +122,13 @@ def interleave(
     whose trial raises is recorded through ``on_error`` and not run again for
     this parameter set.
 
-    A trial shorter than QUICK_TRIAL_S is preceded by an untimed one of the
-    same impl: after a second of idling (torch's default ``wait()`` sleeps that
-    long) the next process creation on a VM is 3-5x slower, a penalty that
-    survives busy CPUs and only creating processes clears.  Without it the
-    impl that follows torch gets a slow sample every other round and its
-    median lands between two modes.
+    A trial shorter than QUICK_TRIAL_S is preceded by PRE_TRIALS untimed ones
+    of the same impl: after a second of idling (torch's default ``wait()``
+    sleeps that long) the next process creation on a VM is 3-5x slower, a
+    penalty that survives busy CPUs and only creating processes clears, and
+    cross-CPU wake-ups (torchmp's hand-offs to its I/O thread) stay slow for
+    a few more launches.  Without them the impl that follows torch gets a
+    slow sample every other round and its median lands between two modes.
     """
     out: dict[str, list[dict[str, float]]] = {i: [] for i in impls}
     dead: set[str] = set()
@@ -138,7 +140,7 @@ def interleave(
             if impl in dead:
                 continue
             try:
-                if quick.get(impl):
+                for _ in range(PRE_TRIALS if quick.get(impl) else 0):
                     trial(impl)
                 t0 = time.monotonic()
                 sample = trial(impl)
