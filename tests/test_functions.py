@@ -919,9 +919,15 @@ def test_a_worker_holds_no_other_ranks_pipe_ends(tmp_path, start_method, monkeyp
     """Every rank's streams are prepared before the first worker starts: a
     worker holding another rank's write ends would delay that rank's EOFs."""
     use_fd_level_std(monkeypatch)
-    launcher_pipes = set(fw.pipe_write_ends())
-    result = run(tmp_path, fw.pipe_write_ends, {r: () for r in range(3)}, start_method, tee=Std.ALL)
-    assert not result.is_failed(), result.failures
+    ctx = start(tmp_path, fw.pipe_write_ends, {r: () for r in range(3)}, start_method, tee=Std.ALL)
+    try:
+        # The launcher's own write ends once every worker has its pipes (the
+        # group's notify pipe on the portable build, for one).
+        launcher_pipes = set(fw.pipe_write_ends())
+        result = ctx.wait(30)
+    finally:
+        ctx.close(signal.SIGKILL, timeout=5)
+    assert result is not None and not result.is_failed(), result
     own = {rank: set(pipes) - launcher_pipes for rank, pipes in result.return_values.items()}
     for rank in own:
         # stdout, stderr and the return channel: its own three pipes, no more
