@@ -379,6 +379,9 @@ cdef class Group:
         if getpid() == self.owner_pid:  # a forked worker's copies are gone
             for rank in range(self.nstaged):
                 self._close_worker_fds(rank)
+        self._free_staging()
+
+    cdef void _free_staging(self) noexcept:
         free(self.staged)
         free(self.fork_ns)
         self.staged = NULL
@@ -406,13 +409,9 @@ cdef class Group:
             raise ValueError(f"{count} specs for a group of {self.nprocs}")
         self.staged = <torchmp_rank_spec *>calloc(count if count else 1, sizeof(torchmp_rank_spec))
         self.fork_ns = <int64_t *>calloc(count if count else 1, sizeof(int64_t))
-        if self.staged == NULL or self.fork_ns == NULL:
-            free(self.staged)
-            free(self.fork_ns)
-            self.staged = NULL
-            self.fork_ns = NULL
-            raise MemoryError()
         try:
+            if self.staged == NULL or self.fork_ns == NULL:
+                raise MemoryError()
             for i in range(count):
                 for j in range(TORCHMP_CHILD_FDS):
                     self.staged[i].args.child_fds[j] = -1
@@ -431,11 +430,8 @@ cdef class Group:
                 exc.rank = prepared
                 raise exc
         except BaseException:
-            # Nothing was opened (the loop undoes a partial prepare).
-            free(self.staged)
-            free(self.fork_ns)
-            self.staged = NULL
-            self.fork_ns = NULL
+            # Nothing is left open (the loop undoes a partial prepare).
+            self._free_staging()
             raise
         self.nstaged = <int>count
         for i in range(count):
@@ -558,19 +554,11 @@ cdef class Group:
                 rank, pid = workers[i]
                 ranks[i] = rank
                 pids[i] = pid
-                if self.fork_ns != NULL and 0 <= rank < self.nstaged and self.fork_ns[rank] != 0:
-                    starts[i] = self.fork_ns[rank]
-                else:
-                    starts[i] = 0
-            for i in range(count):
-                if starts[i] == 0:
-                    break
-            else:
-                i = count
+                # 0 (not forked here, e.g. by a forkserver): adopted now.
+                starts[i] = self.fork_ns[rank] if 0 <= rank < self.nstaged else 0
             memset(&err, 0, sizeof(err))
             with nogil:
-                adopted = torchmp_group_adopt(self.g, ranks, pids, starts if i == count else NULL,
-                                              <int>count, foreign, &err)
+                adopted = torchmp_group_adopt(self.g, ranks, pids, starts, <int>count, foreign, &err)
             if adopted < 0:
                 check(-1, b"handing the adopt request to the I/O thread")
             for i in range(adopted):

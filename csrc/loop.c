@@ -857,7 +857,7 @@ static int do_adopt(torchmp_loop *L, command *c)
     torchmp_group *g = c->group;
     int64_t now = clock_ns(CLOCK_MONOTONIC);
     for (int i = 0; i < c->count; i++) {
-        int64_t start = c->start_ns != NULL ? c->start_ns[i] : now;
+        int64_t start = c->start_ns != NULL && c->start_ns[i] != 0 ? c->start_ns[i] : now;
         if (rank_adopt(L, &g->procs[c->ranks[i]], c->pids[i], c->foreign, start, &c->err) == 0)
             continue;
         for (int j = i + 1; j < c->count; j++) {
@@ -1302,8 +1302,15 @@ int torchmp_group_adopt(torchmp_group *g, const int *ranks, const pid_t *pids, c
 int torchmp_group_drop_unstarted(torchmp_group *g)
 {
     command c;
+    int i;
     if (!group_is_ours(g))
         return -1;
+    for (i = 0; i < g->nprocs; i++) {
+        if (g->procs[i].info.state == TORCHMP_PROC_UNSTARTED)
+            break;
+    }
+    if (i == g->nprocs)
+        return 0; /* every rank was adopted: nothing to drop, spare the round trip */
     memset(&c, 0, sizeof(c));
     c.type = CMD_DROP_UNSTARTED;
     c.group = g;

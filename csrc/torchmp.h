@@ -258,7 +258,7 @@ int torchmp_group_spawn(torchmp_group *g, torchmp_rank_spec *specs, int count, t
  * case nothing stays open; -1 with errno if the request was refused.
  *
  * adopt starts watching pids[i] as ranks[i], started at start_ns[i]
- * (CLOCK_MONOTONIC; start_ns NULL: now).  A foreign pid is not our child:
+ * (CLOCK_MONOTONIC; start_ns NULL or an entry 0: now).  A foreign pid is not our child:
  * its exit arrives as a trailer on its return channel.  Returns count, or k
  * with *err filled: workers k.. are then killed and reaped (unless foreign)
  * and their streams closed.

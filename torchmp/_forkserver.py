@@ -186,8 +186,7 @@ class ForkServer:
                     # Watched at once: its pidfd should be open before it can exit.
                     group.adopt([(rank, pid)], True)
             except BaseException:
-                group.drop_unstarted()
-                ctx._close(signal.SIGKILL, timeout=5)
+                ctx._abort_launch(group, [])  # the ranks adopted so far are killed
                 raise
             group.drop_unstarted()
 

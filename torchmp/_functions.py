@@ -212,8 +212,9 @@ class MultiprocessContext(_NativeContext):
         group.drop_unstarted()
 
     def _abort_launch(self, group: Any, forked: list[tuple[int, int]]) -> None:
-        """Watch what was forked (so close() can kill it), drop the rest,
-        and tear everything down."""
+        """A launch failed half-way: watch the forked children not watched
+        yet (so close() kills them too), drop the ranks never started, and
+        tear everything down."""
         try:
             group.adopt(forked, False)
         finally:
