@@ -489,7 +489,9 @@ cdef class Group:
         # -- nor swallow a signal sent to the new worker (CPython's fork hook
         # forgets tripped signals).  So they are blocked across fork, put
         # back to SIG_DFL in the child at the C level, then unblocked: a
-        # SIGTERM sent meanwhile kills the child as it should.
+        # SIGTERM sent meanwhile kills the child as it should.  The child
+        # starts with an empty mask, as an exec'd worker does: a launcher
+        # holding signals while it launches must not pass that on.
         sigemptyset(&blocked)
         for j in range(nsigs):
             sigaddset(&blocked, sigs[j])
@@ -502,7 +504,8 @@ cdef class Group:
         if pid == 0:
             for j in range(nsigs):
                 c_signal(sigs[j], SIG_DFL)
-            pthread_sigmask(SIG_SETMASK, &old_mask, NULL)
+            sigemptyset(&blocked)
+            pthread_sigmask(SIG_SETMASK, &blocked, NULL)
             PyOS_AfterFork_Child()
             # The pipe ends of ranks still to be forked are not this worker's:
             # held here they would delay those ranks' EOFs.

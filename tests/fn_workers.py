@@ -161,6 +161,11 @@ def sigterm_disposition() -> bool:
     return signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 
+def blocked_signals() -> set[int]:
+    """The signals blocked in the worker's main thread."""
+    return {int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])}
+
+
 def segfault():
     import ctypes
 

@@ -872,6 +872,19 @@ def test_worker_gets_the_default_sigterm_action(tmp_path, start_method):
     assert result.return_values == {0: True}
 
 
+@pytest.mark.parametrize("start_method", METHODS)
+def test_worker_starts_with_no_signals_blocked(tmp_path, start_method):
+    # A launcher may hold signals while it launches (torchmp run does):
+    # a worker must not inherit that, or a SIGTERM to it would wait forever.
+    held = {signal.SIGTERM, signal.SIGUSR1}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        result = run(tmp_path, fw.blocked_signals, {0: ()}, start_method)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    assert result.return_values == {0: set()}
+
+
 class _DevNullTee:
     """Logs specs teeing stdout into /dev/null: output that only keeps the
     I/O thread busy, without filling a disk."""
