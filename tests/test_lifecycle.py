@@ -189,6 +189,74 @@ def test_sigterm_to_launcher_raises_signal_exception_and_close_cleans_up(tmp_pat
         launcher.stdout.close()
 
 
+# A launch interrupted once every worker runs, before start_processes returns
+# (the caller never gets the context): patched into the launcher program.
+_INTERRUPT_LAUNCH = """
+    import os, signal, sys, threading, time
+    from pathlib import Path
+    import torchmp
+    from torchmp import api
+
+    real_launch = api.SubprocessContext._launch
+
+    def launch_then_interrupt(self, group, streams):
+        real_launch(self, group, streams)
+        pidfile = Path("{pidfile}")
+        while not pidfile.exists() or len(pidfile.read_text().split()) < 2:
+            time.sleep(0.01)
+        {interrupt}
+
+    api.SubprocessContext._launch = launch_then_interrupt
+    worker = ("-c", '{worker}; echo $$ >> {pidfile}; while :; do sleep 0.05; done')
+    t0 = time.monotonic()
+    try:
+        torchmp.start_processes("w", "sh", {{0: worker, 1: worker}}, {{0: {{}}, 1: {{}}}},
+                                torchmp.DefaultLogsSpecs(log_dir="{logs}"))
+    except BaseException as e:
+        print(type(e).__name__, f"{{time.monotonic() - t0:.1f}}", flush=True)
+    time.sleep(30)  # alive: the workers' parent-death signal must not be what kills them
+"""
+
+
+def _interrupted_launch(tmp_path, worker, interrupt):
+    pidfile = tmp_path / "pids"
+    script = _INTERRUPT_LAUNCH.format(pidfile=pidfile, logs=tmp_path / "logs", worker=worker,
+                                      interrupt=interrupt)
+    launcher = popen_launcher(script, stdout=subprocess.PIPE)
+    workers = []
+    try:
+        workers = read_pids(pidfile, 2)
+        line = launcher.stdout.readline().decode()  # teardown or no, at most ~30 s
+        left = wait_gone(workers, 1.0)
+        assert launcher.poll() is None
+        return line.split(), left
+    finally:
+        kill_groups([launcher.pid] + workers)
+        launcher.wait()
+        launcher.stdout.close()
+
+
+def test_ctrl_c_during_start_passes_sigint_to_the_started_workers(tmp_path):
+    got = tmp_path / "got"
+    (name, _), left = _interrupted_launch(
+        tmp_path, f'trap "echo INT >> {got}; exit 3" INT', "raise KeyboardInterrupt")
+    assert name == "KeyboardInterrupt"
+    assert left == []
+    assert got.read_text() == "INT\nINT\n"
+
+
+def test_a_second_signal_during_the_start_teardown_kills_at_once(tmp_path):
+    # The workers ignore SIGTERM: the first signal's teardown would wait 30 s;
+    # the second one, 0.3 s later, must cut it short -- and not leave them.
+    (name, seconds), left = _interrupted_launch(
+        tmp_path, "trap \"\" TERM",
+        "threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start(); "
+        "os.kill(os.getpid(), signal.SIGTERM); time.sleep(10)")
+    assert name == "SignalException"
+    assert 0.2 < float(seconds) < 5
+    assert left == []
+
+
 def test_signals_to_handle_env_var(monkeypatch, tmp_path):
     old = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
     monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGUSR1, NOSUCHSIG")

@@ -105,6 +105,31 @@ def _terminate_process_handler(signum: int, frame: FrameType | None) -> None:
     raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
 
 
+def close_despite_interrupts(ctx: PContext, death_sig: signal.Signals, timeout: float) -> None:
+    """``ctx.close(death_sig, timeout)``, finished whatever lands meanwhile.
+
+    A signal turned into an exception (or Ctrl-C) during the grace period
+    would otherwise unwind out of ``close`` and leave the workers running.
+    Instead it cuts the grace short: SIGKILL at once, as ``torchmp run`` does
+    on a second signal.  Each retry is started by one more signal, so this
+    ends."""
+    while True:
+        try:
+            ctx.close(death_sig, timeout)  # type: ignore[arg-type]
+            return
+        except (SignalException, KeyboardInterrupt):
+            death_sig, timeout = signal.SIGKILL, 0
+
+
+def _interrupt_signal(exc: BaseException) -> signal.Signals:
+    """The signal behind an exception that stopped a launch (SIGTERM if none)."""
+    if isinstance(exc, SignalException):
+        return exc.sigval
+    if isinstance(exc, KeyboardInterrupt):
+        return signal.SIGINT
+    return signal.SIGTERM
+
+
 def handled_signals() -> list[signal.Signals]:
     """The signals named in TORCHELASTIC_SIGNALS_TO_HANDLE (default SIGTERM,
     SIGINT, SIGHUP, SIGQUIT); unknown names are logged and skipped."""
@@ -805,8 +830,10 @@ class _NativeContext(PContext):
         # garbage collector gets to this object.
         self._final = group.snapshot()
         self._before_release(group)
-        group.release()
+        # Closed before the release: an interrupt landing in between must not
+        # make a retried close() use a released group.
         self._closed = True
+        group.release()
 
 
 class SubprocessContext(_NativeContext):
@@ -981,7 +1008,10 @@ def start_processes(
         context.log_line_timestamps = True  # type: ignore[attr-defined]
     try:
         context.start()
-    except BaseException:
-        context.close()
+    except BaseException as e:
+        # The caller never gets the context: nothing it started may outlive
+        # this call.  The workers get the signal that interrupted the launch
+        # (SIGTERM after an error) and close()'s usual grace.
+        close_despite_interrupts(context, _interrupt_signal(e), 30)
         raise
     return context
