@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import uuid
 from pathlib import Path
@@ -39,7 +40,8 @@ ROW = re.compile(
 class Cli:
     """One ``python -m torchmp ...`` process, cleaned up by tag."""
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None,
+                 preamble: str | None = None) -> None:
         self.tag = uuid.uuid4().hex
         full_env = dict(os.environ)
         full_env["PYTHONPATH"] = TORCHMP_PATH + os.pathsep + full_env.get("PYTHONPATH", "")
@@ -47,8 +49,11 @@ class Cli:
         full_env.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
         if env:
             full_env.update(env)
+        # preamble: code run in the launcher's interpreter before the command.
+        head = ["-m", "torchmp"] if preamble is None else [
+            "-c", textwrap.dedent(preamble) + "\nfrom torchmp.__main__ import main\nsys.exit(main())"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "torchmp", *args],
+            [sys.executable, *head, *args],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env=full_env, cwd="/", start_new_session=True, text=True, errors="replace",
         )
@@ -76,8 +81,8 @@ class Cli:
 def torchmp_cli():
     started: list[Cli] = []
 
-    def start(*args: str, env: dict[str, str] | None = None) -> Cli:
-        c = Cli(list(args), env)
+    def start(*args: str, env: dict[str, str] | None = None, preamble: str | None = None) -> Cli:
+        c = Cli(list(args), env, preamble)
         started.append(c)
         return c
 
@@ -426,6 +431,43 @@ def test_stubborn_workers_are_killed_after_shutdown_timeout(torchmp_cli, tmp_pat
     assert 0.4 < time.monotonic() - t0 < 5
     rows = summary_rows(err)
     assert [rows[r]["exit"] for r in range(2)] == ["SIGKILL", "SIGKILL"]
+    assert wait_no_tagged(c.tag) == []
+
+
+def test_a_signal_during_the_launch_gets_the_shutdown_timeout_too(torchmp_cli, tmp_path):
+    # The signal lands once the workers run but before start_processes has
+    # returned: it must be handled like one a moment later (--shutdown-timeout
+    # 0.5), not by start_processes' own 30 s teardown.
+    preamble = f"""
+        import os, signal, sys, time
+        from pathlib import Path
+        from torchmp import api
+
+        real_launch = api.SubprocessContext._launch
+
+        def launch_then_signal(self, group, streams):
+            real_launch(self, group, streams)
+            while not all((Path("{tmp_path}") / f"pid.{{r}}").exists() for r in range(2)):
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.1)  # a handler would run here
+
+        api.SubprocessContext._launch = launch_then_signal
+    """
+    c = torchmp_cli("run", "-n", "2", "--shutdown-timeout", "0.5", "--log-dir",
+                    str(tmp_path / "logs"), "--", "sh", "-c",
+                    f"trap '' TERM; echo $$ > {tmp_path}/pid.$RANK.tmp; "
+                    f"mv {tmp_path}/pid.$RANK.tmp {tmp_path}/pid.$RANK; while :; do sleep 0.05; done",
+                    preamble=preamble)
+    pids = _wait_files([tmp_path / "pid.0", tmp_path / "pid.1"])
+    t0 = time.monotonic()
+    code, out, err = c.communicate()
+    assert code == 128 + signal.SIGTERM, err
+    assert time.monotonic() - t0 < 5
+    assert "torchmp: got SIGTERM: terminated the workers" in err
+    rows = summary_rows(err)
+    assert [(int(rows[r]["pid"]), rows[r]["exit"]) for r in range(2)] == [
+        (pids[0], "SIGKILL"), (pids[1], "SIGKILL")]
     assert wait_no_tagged(c.tag) == []
 
 

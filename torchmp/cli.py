@@ -47,7 +47,7 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any, NoReturn
 
-from torchmp.api import SignalException, resolve_executable, start_processes
+from torchmp.api import SignalException, close_despite_interrupts, resolve_executable, start_processes
 from torchmp.errors import ChildFailedError, ProcessFailure
 from torchmp.logs_specs import DefaultLogsSpecs, LogsDest, Std, to_map
 
@@ -470,16 +470,25 @@ class _Run:
         if plan.timestamps:
             extra["log_line_timestamps"] = True
         self.started = time.monotonic()
-        self.ctx = start_processes(
-            name=plan.name,
-            entrypoint=plan.command[0],
-            args={r: tuple(plan.command[1:]) for r in range(plan.nproc)},
-            envs=envs,
-            logs_specs=specs,
-            log_line_prefixes=plan.prefixes(),
-            start_method=plan.start_method,
-            **extra,
-        )
+        # A signal raised inside start_processes would reach the handlers
+        # before self.ctx is set: start_processes would then tear the workers
+        # down with its own 30 s grace, not --shutdown-timeout.  Held until
+        # the context is ours, it is handled by shut_down like any other.
+        # (Workers start with an empty signal mask whatever the launcher's.)
+        signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS)
+        try:
+            self.ctx = start_processes(
+                name=plan.name,
+                entrypoint=plan.command[0],
+                args={r: tuple(plan.command[1:]) for r in range(plan.nproc)},
+                envs=envs,
+                logs_specs=specs,
+                log_line_prefixes=plan.prefixes(),
+                start_method=plan.start_method,
+                **extra,
+            )
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED_SIGNALS)
 
     def wait(self) -> None:
         self.result = self.ctx.wait()
@@ -487,15 +496,9 @@ class _Run:
     def shut_down(self, sig: signal.Signals) -> None:
         """Terminate the workers with ``sig``; a second signal means SIGKILL now."""
         self.signal = self.signal or sig
-        death_sig, timeout = sig, self.plan.shutdown_timeout
-        while True:
-            try:
-                if self.ctx is not None:
-                    self.ctx.close(death_sig, timeout)
-                    self.result = self.ctx.wait(0)
-                return
-            except SignalException:
-                death_sig, timeout = signal.SIGKILL, 0
+        if self.ctx is not None:
+            close_despite_interrupts(self.ctx, sig, self.plan.shutdown_timeout)
+            self.result = self.ctx.wait(0)
 
     def exit_code(self) -> int:
         if self.signal is not None:
@@ -585,7 +588,4 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
         return 128 + int(e.sigval)
     finally:
         if run.ctx is not None:
-            try:
-                run.ctx.close(signal.SIGKILL, 0)
-            except SignalException:
-                pass
+            close_despite_interrupts(run.ctx, signal.SIGKILL, 0)
