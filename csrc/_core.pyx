@@ -630,12 +630,12 @@ cdef class Group:
         """Block (GIL released) until an exit is recorded or timeout seconds
         pass (negative: forever).  Returns True if woken by an exit.  Signal
         handlers run while waiting, so SignalException can interrupt it."""
-        cdef int rc, err, fd
+        cdef int rc, err
+        cdef int watch_exits = 1
         cdef int64_t wait_ns
         import time
         self._ours()
         deadline = None if timeout < 0 else time.monotonic() + timeout
-        fd = torchmp_group_notify_fd(self.g)
         while True:
             if deadline is None:
                 wait_ns = -1
@@ -643,17 +643,16 @@ cdef class Group:
                 remaining = deadline - time.monotonic()
                 wait_ns = <int64_t>(min(remaining, 1e9) * 1e9) if remaining > 0 else 0
             with nogil:
-                rc = torchmp_wait_readable(fd, wait_ns)
+                rc = torchmp_group_wait(self.g, wait_ns, &watch_exits)
                 err = errno
-            if rc < 0:
-                if err == EINTR:
-                    PyErr_CheckSignals()
-                    continue
+            if rc < 0 and err != EINTR:
                 raise OSError(err, strerror(err).decode())
             if rc > 0:
                 torchmp_group_drain_notify(self.g)
                 return True
-            if wait_ns == 0 or deadline is not None and time.monotonic() >= deadline:
+            # A signal may have arrived while the wait did not sleep.
+            PyErr_CheckSignals()
+            if rc == 0 and (wait_ns == 0 or deadline is not None and time.monotonic() >= deadline):
                 return False
 
     def killpg(self, int sig, bint include_exited=False):

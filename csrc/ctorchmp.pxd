@@ -102,7 +102,6 @@ cdef extern from "torchmp.h" nogil:
     ctypedef struct torchmp_group:
         pass
 
-    int torchmp_wait_readable(int fd, int64_t timeout_ns) nogil
     int torchmp_loop_backend()
     int torchmp_loop_fd_count()
     torchmp_group *torchmp_group_new(int nprocs,
@@ -115,7 +114,7 @@ cdef extern from "torchmp.h" nogil:
     int torchmp_group_drop_unstarted(torchmp_group *g)
     char *torchmp_group_take_capture(torchmp_group *g, int rank, size_t *len)
     uint64_t torchmp_group_snapshot(torchmp_group *g, torchmp_proc_info *out, int n)
-    int torchmp_group_notify_fd(torchmp_group *g)
+    int torchmp_group_wait(torchmp_group *g, int64_t timeout_ns, int *watch_exits) nogil
     void torchmp_group_drain_notify(torchmp_group *g)
     int torchmp_group_killpg(torchmp_group *g, int sig, int include_exited)
     int torchmp_group_finish_streams(torchmp_group *g)

@@ -10,8 +10,9 @@
  * The thread blocks every signal (so the launcher's Python handlers run on
  * the main thread, and vfork is safe here) and waits on one readiness set:
  * a control fd (commands from Python), each teed pipe, and with the epoll
- * backend a pidfd per worker.  With the poll backend, exits arrive as a
- * SIGCHLD whose handler writes to the control fd.
+ * backend a pidfd per worker (in a nested epoll set that waiting callers
+ * watch as well).  With the poll backend, exits arrive as a SIGCHLD whose
+ * handler writes to the control fd.
  *
  * Locking: `mu` guards the command queue and every field Python reads (the
  * rank states).  Streams and the group list belong to the loop thread alone.
@@ -60,7 +61,7 @@
 #define MAX_LINE (256 * 1024)
 #define MAX_EVENTS 256
 
-enum watch_kind { WATCH_CONTROL = 1, WATCH_STREAM = 2, WATCH_PROC = 3 };
+enum watch_kind { WATCH_CONTROL = 1, WATCH_STREAM = 2, WATCH_PROC = 3, WATCH_EXITS = 4 };
 
 typedef struct torchmp_proc torchmp_proc;
 
@@ -139,6 +140,11 @@ typedef struct torchmp_loop {
     pid_t owner_pid;
     int backend;
     torchmp_poller *poller;
+    /* epoll backend: the workers' pidfds, in an epoll set of their own that
+     * sits in `poller`.  Waiting callers watch it too, so an exit wakes them
+     * together with this thread rather than one wake-up after it. */
+    torchmp_poller *exits;
+    int exits_kind;            /* WATCH_EXITS: the exits set's watch */
     int wake_r, wake_w;
     pthread_t thread;
     pthread_mutex_t mu;
@@ -460,7 +466,7 @@ static void proc_record_exit(torchmp_loop *L, torchmp_proc *p, int status, int64
     for (int w = 0; w < STREAM_COUNT; w++)
         stream_drain_buffered(L, &p->streams[w]);
     if (p->pidfd >= 0) {
-        (void)torchmp_poller_del(L->poller, p->pidfd);
+        (void)torchmp_poller_del(L->exits, p->pidfd);
         close_fd(&p->pidfd);
     }
     pthread_mutex_lock(&L->mu);
@@ -652,7 +658,7 @@ static int rank_adopt(torchmp_loop *L, torchmp_proc *p, pid_t pid, int foreign, 
 #ifdef TORCHMP_HAVE_PIDFD
     if (L->backend == TORCHMP_BACKEND_EPOLL) {
         p->pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
-        if (p->pidfd >= 0 && torchmp_poller_add(L->poller, p->pidfd, p) != 0)
+        if (p->pidfd >= 0 && torchmp_poller_add(L->exits, p->pidfd, p) != 0)
             close_fd(&p->pidfd);
         if (p->pidfd < 0 && foreign) {
             /* Not our child, so nothing to kill or reap here: a worker that
@@ -926,13 +932,31 @@ static void run_commands(torchmp_loop *L)
     }
 }
 
+/* A worker's pidfd fired. */
+static void proc_exit_event(torchmp_loop *L, torchmp_proc *p)
+{
+    if (p->info.state != TORCHMP_PROC_RUNNING || p->pidfd < 0)
+        return;
+    if (p->foreign) {
+        /* Not ours to reap: wait for the forkserver's trailer. */
+        (void)torchmp_poller_del(L->exits, p->pidfd);
+        close_fd(&p->pidfd);
+        p->foreign_gone = 1;
+        stream_pump(L, &p->streams[STREAM_RET], -1);
+        proc_foreign_exit(L, p, 0);
+    } else {
+        (void)proc_try_reap(L, p);
+    }
+}
+
 static void *loop_main(void *arg)
 {
     torchmp_loop *L = arg;
     torchmp_event events[MAX_EVENTS];
+    torchmp_event exit_events[MAX_EVENTS];
 
     for (;;) {
-        int n = torchmp_poller_wait(L->poller, events, MAX_EVENTS);
+        int n = torchmp_poller_wait(L->poller, events, MAX_EVENTS, -1);
         if (n < 0) {
             /* EBADF/EINVAL would mean our own bookkeeping broke; ENOMEM is
              * transient.  Never spin hot. */
@@ -953,20 +977,11 @@ static void *loop_main(void *arg)
                 stream *s = events[i].ptr;
                 if (s->fd >= 0)
                     stream_pump(L, s, -1);
-            } else if (kind == WATCH_PROC) {
-                torchmp_proc *p = events[i].ptr;
-                if (p->info.state != TORCHMP_PROC_RUNNING || p->pidfd < 0)
-                    continue;
-                if (p->foreign) {
-                    /* Not ours to reap: wait for the forkserver's trailer. */
-                    (void)torchmp_poller_del(L->poller, p->pidfd);
-                    close_fd(&p->pidfd);
-                    p->foreign_gone = 1;
-                    stream_pump(L, &p->streams[STREAM_RET], -1);
-                    proc_foreign_exit(L, p, 0);
-                } else {
-                    (void)proc_try_reap(L, p);
-                }
+            } else if (kind == WATCH_EXITS) {
+                /* Level-triggered: exits beyond MAX_EVENTS show up next round. */
+                int m = torchmp_poller_wait(L->exits, exit_events, MAX_EVENTS, 0);
+                for (int j = 0; j < m; j++)
+                    proc_exit_event(L, exit_events[j].ptr);
             }
         }
         collect_groups(L);
@@ -1002,6 +1017,7 @@ static torchmp_loop *loop_create(void)
     if (L == NULL)
         return NULL;
     L->kind = WATCH_CONTROL;
+    L->exits_kind = WATCH_EXITS;
     L->owner_pid = getpid();
     L->wake_r = L->wake_w = -1;
     L->backend = choose_backend();
@@ -1029,6 +1045,12 @@ static torchmp_loop *loop_create(void)
         goto fail;
     if (torchmp_poller_add(L->poller, L->wake_r, L) != 0)
         goto fail;
+    if (L->backend == TORCHMP_BACKEND_EPOLL) {
+        L->exits = torchmp_poller_new(TORCHMP_BACKEND_EPOLL);
+        if (L->exits == NULL ||
+            torchmp_poller_add(L->poller, torchmp_poller_fd(L->exits), &L->exits_kind) != 0)
+            goto fail;
+    }
     if (pthread_mutex_init(&L->mu, NULL) != 0)
         goto fail;
     if (pthread_cond_init(&L->cmd_done, NULL) != 0) {
@@ -1064,6 +1086,7 @@ fail:
         sigaction(SIGCHLD, &previous_sigchld, NULL);
         sigchld_wake_fd = -1;
     }
+    torchmp_poller_free(L->exits);
     torchmp_poller_free(L->poller);
     notify_close(&L->wake_r, &L->wake_w);
     free(L->readbuf);
@@ -1096,9 +1119,10 @@ int torchmp_loop_fd_count(void)
     torchmp_loop *L = loop_get();
     if (L == NULL)
         return -1;
-    /* poller fds + the epoll fd itself */
-    return torchmp_poller_fd_count(L->poller) + (L->backend == TORCHMP_BACKEND_EPOLL ? 1 : 0) +
-           (L->wake_w != L->wake_r ? 1 : 0);
+    /* The fds in the poller (the exits set's epoll fd among them), the
+     * pidfds in the exits set, the poller's own epoll fd. */
+    return torchmp_poller_fd_count(L->poller) + (L->exits != NULL ? torchmp_poller_fd_count(L->exits) : 0) +
+           (L->backend == TORCHMP_BACKEND_EPOLL ? 1 : 0) + (L->wake_w != L->wake_r ? 1 : 0);
 }
 
 #define SUBMIT_SPIN_NS 200000
@@ -1363,9 +1387,40 @@ uint64_t torchmp_group_snapshot(torchmp_group *g, torchmp_proc_info *out, int n)
     return version;
 }
 
-int torchmp_group_notify_fd(torchmp_group *g)
+/* How long a waiting caller woken by a worker's exit polls for the I/O
+ * thread to record it.  Woken together, the I/O thread needs a few tens of
+ * microseconds; past this the caller sleeps on the notify fd alone. */
+#define EXIT_SPIN_NS 500000
+
+int torchmp_group_wait(torchmp_group *g, int64_t timeout_ns, int *watch_exits)
 {
-    return g->notify_r;
+    torchmp_loop *L = g->loop;
+    int exits_fd = *watch_exits && L->exits != NULL ? torchmp_poller_fd(L->exits) : -1;
+    int64_t start = exits_fd >= 0 ? clock_ns(CLOCK_MONOTONIC) : 0;
+    int64_t now, until;
+    int rc = torchmp_wait_readable(g->notify_r, exits_fd, timeout_ns);
+
+    if (rc <= 0 || (rc & 1))
+        return rc < 0 ? -1 : rc & 1;
+    /* Some worker exited (maybe of another group): the I/O thread, woken
+     * at the same moment, is recording it.  Yield to it rather than sleep:
+     * a second wake-up costs as much as the whole record. */
+    now = clock_ns(CLOCK_MONOTONIC);
+    until = now + EXIT_SPIN_NS;
+    if (timeout_ns >= 0 && start + timeout_ns < until)
+        until = start + timeout_ns;
+    while (now < until) {
+        sched_yield();
+        rc = torchmp_wait_readable(g->notify_r, -1, 0);
+        if (rc != 0)
+            return rc < 0 ? -1 : 1;
+        now = clock_ns(CLOCK_MONOTONIC);
+    }
+    /* Not ours, or still on its way (a forkserver worker's trailer, a busy
+     * I/O thread).  The exits set stays readable until the I/O thread has
+     * been through it: watching it again this call would spin. */
+    *watch_exits = 0;
+    return 0;
 }
 
 void torchmp_group_drain_notify(torchmp_group *g)

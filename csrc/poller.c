@@ -132,13 +132,18 @@ int torchmp_poller_fd_count(const torchmp_poller *p)
     return p->count;
 }
 
-int torchmp_poller_wait(torchmp_poller *p, torchmp_event *events, int max_events)
+int torchmp_poller_fd(const torchmp_poller *p)
+{
+    return p->epfd;
+}
+
+int torchmp_poller_wait(torchmp_poller *p, torchmp_event *events, int max_events, int timeout_ms)
 {
 #ifdef TORCHMP_HAVE_EPOLL
     if (p->backend == TORCHMP_BACKEND_EPOLL) {
         struct epoll_event evs[256];
         int want = max_events < 256 ? max_events : 256;
-        int n = epoll_wait(p->epfd, evs, want, -1);
+        int n = epoll_wait(p->epfd, evs, want, timeout_ms);
         if (n < 0)
             return errno == EINTR ? 0 : -1;
         for (int i = 0; i < n; i++) {
@@ -162,7 +167,7 @@ int torchmp_poller_wait(torchmp_poller *p, torchmp_event *events, int max_events
             p->pfds[i].events = POLLIN;
             p->pfds[i].revents = 0;
         }
-        n = poll(p->pfds, (nfds_t)p->count, -1);
+        n = poll(p->pfds, (nfds_t)p->count, timeout_ms);
         if (n < 0)
             return errno == EINTR ? 0 : -1;
         for (int i = 0; i < p->count && out < max_events; i++) {
@@ -176,25 +181,34 @@ int torchmp_poller_wait(torchmp_poller *p, torchmp_event *events, int max_events
     }
 }
 
-int torchmp_wait_readable(int fd, int64_t timeout_ns)
+int torchmp_wait_readable(int fd, int other_fd, int64_t timeout_ns)
 {
-    struct pollfd p;
-    p.fd = fd;
-    p.events = POLLIN;
-    p.revents = 0;
+    struct pollfd p[2];
+    int rc;
+    for (int i = 0; i < 2; i++) {
+        p[i].fd = i == 0 ? fd : other_fd; /* poll() skips a negative fd */
+        p[i].events = POLLIN;
+        p[i].revents = 0;
+    }
 #ifdef TORCHMP_HAVE_PPOLL
     if (timeout_ns >= 0) {
         struct timespec ts;
         ts.tv_sec = (time_t)(timeout_ns / 1000000000);
         ts.tv_nsec = (long)(timeout_ns % 1000000000);
-        return ppoll(&p, 1, &ts, NULL);
+        rc = ppoll(p, 2, &ts, NULL);
+    } else {
+        rc = ppoll(p, 2, NULL, NULL);
     }
-    return ppoll(&p, 1, NULL, NULL);
 #else
-    if (timeout_ns < 0)
-        return poll(&p, 1, -1);
-    /* Round up, as selectors do: never wake just before the deadline. */
-    int64_t ms = (timeout_ns + 999999) / 1000000;
-    return poll(&p, 1, ms > INT32_MAX ? INT32_MAX : (int)ms);
+    if (timeout_ns < 0) {
+        rc = poll(p, 2, -1);
+    } else {
+        /* Round up, as selectors do: never wake just before the deadline. */
+        int64_t ms = (timeout_ns + 999999) / 1000000;
+        rc = poll(p, 2, ms > INT32_MAX ? INT32_MAX : (int)ms);
+    }
 #endif
+    if (rc <= 0)
+        return rc;
+    return (p[0].revents != 0 ? 1 : 0) | (p[1].revents != 0 ? 2 : 0);
 }

@@ -175,15 +175,19 @@ torchmp_poller *torchmp_poller_new(int backend);
 void torchmp_poller_free(torchmp_poller *p);
 int torchmp_poller_add(torchmp_poller *p, int fd, void *ptr);
 int torchmp_poller_del(torchmp_poller *p, int fd);
-/* Wait forever; returns the number of events (0 on EINTR) or -1. */
-int torchmp_poller_wait(torchmp_poller *p, torchmp_event *events, int max_events);
+/* Wait up to timeout_ms (negative: forever); returns the number of events
+ * (0 on EINTR or timeout) or -1. */
+int torchmp_poller_wait(torchmp_poller *p, torchmp_event *events, int max_events, int timeout_ms);
 int torchmp_poller_fd_count(const torchmp_poller *p);
+/* The epoll fd (pollable: readable while an event is ready); -1 for poll(). */
+int torchmp_poller_fd(const torchmp_poller *p);
 
-/* Wait until fd is readable or timeout_ns pass (negative: forever), to the
- * microsecond where the platform allows (ppoll) rather than poll()'s whole
- * milliseconds, which would overshoot a close() timeout.  Returns poll()'s
- * result; -1 with errno (EINTR included). */
-int torchmp_wait_readable(int fd, int64_t timeout_ns);
+/* Wait until fd or other_fd (ignored if negative) is readable or timeout_ns
+ * pass (negative: forever), to the microsecond where the platform allows
+ * (ppoll) rather than poll()'s whole milliseconds, which would overshoot a
+ * close() timeout.  Returns 0 on timeout, else bit 0 set if fd is readable
+ * and bit 1 if other_fd is; -1 with errno (EINTR included). */
+int torchmp_wait_readable(int fd, int other_fd, int64_t timeout_ns);
 
 /* ---------------------------------------------------------------------------
  * loop.c: the I/O thread and worker groups (one group per PContext).
@@ -287,9 +291,13 @@ char *torchmp_group_take_capture(torchmp_group *g, int rank, size_t *len);
 /* Copy the per-rank state; returns the group's change counter. */
 uint64_t torchmp_group_snapshot(torchmp_group *g, torchmp_proc_info *out, int n);
 
-/* The fd that becomes readable whenever a rank's exit is recorded; drain
- * with torchmp_group_drain_notify before reading a snapshot. */
-int torchmp_group_notify_fd(torchmp_group *g);
+/* Sleep until a rank's exit is recorded or timeout_ns pass (negative:
+ * forever).  Returns 1 when one was (drain with torchmp_group_drain_notify
+ * before reading a snapshot), 0 otherwise, -1 with errno (EINTR: a signal;
+ * call again).  *watch_exits starts at 1 for each wait and is cleared when
+ * watching the workers' exits directly stops paying off; keep it across the
+ * calls of one wait. */
+int torchmp_group_wait(torchmp_group *g, int64_t timeout_ns, int *watch_exits);
 void torchmp_group_drain_notify(torchmp_group *g);
 
 /* Signal the process group of every started rank (include_exited: also the

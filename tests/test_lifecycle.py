@@ -140,6 +140,25 @@ def test_wait_timeout_returns_none_and_poll(tmp_path):
         ctx.close()
 
 
+def test_another_contexts_exit_neither_ends_nor_busies_this_wait(tmp_path):
+    # wait() also watches the workers' exits directly; an exit of another
+    # context's worker wakes it, and it must go back to sleep, not return
+    # early or poll until its own deadline.
+    a = launch("sleep", {0: ("100",)}, log_dir=tmp_path / "a")
+    b = launch("sh", {0: ("-c", "sleep 0.1")}, log_dir=tmp_path / "b")
+    try:
+        cpu0, t0 = time.process_time(), time.monotonic()
+        assert a.wait(0.6) is None
+        elapsed, cpu = time.monotonic() - t0, time.process_time() - cpu0
+        assert 0.6 <= elapsed < 2.0
+        assert cpu < 0.1, f"{cpu:.3f} s of CPU while waiting"
+        result = b.wait(0)
+        assert result is not None and not result.is_failed()
+    finally:
+        a.close()
+        b.close()
+
+
 def test_wait_is_event_driven_not_period_driven(tmp_path):
     ctx = launch("sh", {0: ("-c", "sleep 0.3")}, log_dir=tmp_path)
     t0 = time.monotonic()
