@@ -61,7 +61,9 @@
 #define MAX_LINE (256 * 1024)
 #define MAX_EVENTS 256
 
-enum watch_kind { WATCH_CONTROL = 1, WATCH_STREAM = 2, WATCH_PROC = 3, WATCH_EXITS = 4 };
+/* What a watch in the I/O thread's set is: the first int of its pointer.  The
+ * pidfds in the exits set point at their torchmp_proc directly. */
+enum watch_kind { WATCH_CONTROL = 1, WATCH_STREAM = 2, WATCH_EXITS = 3 };
 
 typedef struct torchmp_proc torchmp_proc;
 
@@ -84,7 +86,6 @@ typedef struct {
 enum { STREAM_OUT = 0, STREAM_ERR = 1, STREAM_RET = 2, STREAM_COUNT = 3 };
 
 struct torchmp_proc {
-    int kind;                  /* WATCH_PROC */
     int rank;
     int pidfd;
     int foreign;               /* a forkserver's child: exits come as a trailer */
@@ -1197,7 +1198,6 @@ torchmp_group *torchmp_group_new(int nprocs,
         goto fail;
     for (int i = 0; i < nprocs; i++) {
         torchmp_proc *p = &g->procs[i];
-        p->kind = WATCH_PROC;
         p->rank = i;
         p->pidfd = -1;
         p->group = g;
