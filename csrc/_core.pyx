@@ -464,7 +464,7 @@ cdef class Group:
         cdef torchmp_spawn_args setup
         cdef int saved, step, j, other, ret_fd, nsigs
         cdef int sigs[64]
-        cdef sigset_t blocked, old_mask
+        cdef sigset_t blocked, old_mask, no_signals
         cdef timespec now
         cdef pid_t pid, parent = getpid()
         self._ours()
@@ -504,8 +504,8 @@ cdef class Group:
         if pid == 0:
             for j in range(nsigs):
                 c_signal(sigs[j], SIG_DFL)
-            sigemptyset(&blocked)
-            pthread_sigmask(SIG_SETMASK, &blocked, NULL)
+            sigemptyset(&no_signals)
+            pthread_sigmask(SIG_SETMASK, &no_signals, NULL)
             PyOS_AfterFork_Child()
             # The pipe ends of ranks still to be forked are not this worker's:
             # held here they would delay those ranks' EOFs.
