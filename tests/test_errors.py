@@ -587,6 +587,150 @@ class TestMalformedErrorFile:
         assert elapsed < 0.5
 
 
+# ----------------------------------------- reading: only regular files, never followed
+
+
+def _make_target(kind: str, tmp_path: Path) -> str:
+    """A path that is not a plain error file, of the given kind."""
+    if kind == "fifo":
+        target = tmp_path / "fifo"
+        os.mkfifo(target)
+        return str(target)
+    if kind == "dev-zero":
+        return "/dev/zero"
+    if kind == "big":
+        target = tmp_path / "big.json"
+        target.write_bytes(b'{"message": "' + b"x" * (2 * CAP) + b'"}')
+        return str(target)
+    if kind == "json":  # a valid error file elsewhere: still not read through a link
+        return str(write_json(tmp_path / "elsewhere.json", nested("E: not mine")))
+    assert kind == "dangling"
+    return str(tmp_path / "nothing-here")
+
+
+class TestErrorFileIsOnlyARegularFile:
+    """A worker controls its error file path: it can point it anywhere.
+
+    A symlink (to a FIFO, a device, ``/proc/kmsg``, another job's file) must not be
+    followed, and anything but a regular file is "no error file" plus a warning.
+    """
+
+    @pytest.mark.parametrize("kind", ["fifo", "dev-zero", "big", "json", "dangling"])
+    @pytest.mark.parametrize("exitcode", [1, -9])
+    def test_symlink_is_not_followed(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture, kind: str, exitcode: int
+    ) -> None:
+        link = tmp_path / "error.json"
+        link.symlink_to(_make_target(kind, tmp_path))
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="torchmp.errors"):
+            f = ProcessFailure(3, 42, exitcode, str(link))
+        assert time.monotonic() - t0 < 1.0
+        assert f.error_file == "<N/A>"
+        assert f.error_file_problem is None
+        if exitcode < 0:
+            assert f.message == "Signal 9 (SIGKILL) received by PID 42"
+            assert f.error_file_data == {"message": "<NONE>"}
+        else:
+            assert f.message == LINK_MSG
+        assert [r.getMessage() for r in caplog.records] == [
+            f"rank 3 (pid 42): error file {link} is a symbolic link, not a regular file;"
+            " ignored (no error file)"
+        ]
+
+    @pytest.mark.parametrize(
+        ("kind", "what"),
+        [("fifo", "a FIFO"), ("dev-zero", "a character device"), ("dir", "a directory"),
+         ("socket", "a socket")],
+    )
+    def test_other_non_regular_files_warn(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture, kind: str, what: str
+    ) -> None:
+        import socket
+
+        path = tmp_path / "error.json"
+        sock = None
+        if kind == "fifo":
+            os.mkfifo(path)
+        elif kind == "dir":
+            path.mkdir()
+        elif kind == "socket":
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.bind(str(path))
+        try:
+            target = "/dev/zero" if kind == "dev-zero" else str(path)
+            with caplog.at_level(logging.WARNING, logger="torchmp.errors"):
+                f = ProcessFailure(0, 7, 2, target)
+        finally:
+            if sock is not None:
+                sock.close()
+        assert (f.error_file, f.message, f.error_file_problem) == ("<N/A>", LINK_MSG, None)
+        assert [r.getMessage() for r in caplog.records] == [
+            f"rank 0 (pid 7): error file {target} is {what}, not a regular file;"
+            " ignored (no error file)"
+        ]
+
+    def test_devnull_is_silently_no_error_file(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        # --log-dir /dev/null gives every rank os.devnull as its error file.
+        with caplog.at_level(logging.WARNING, logger="torchmp.errors"):
+            f = ProcessFailure(0, 7, 2, os.devnull)
+        assert (f.error_file, f.message) == ("<N/A>", LINK_MSG)
+        assert caplog.records == []
+
+    def test_regular_file_whose_read_would_block(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # /proc/kmsg is a "regular" file that answers a non-blocking read with
+        # EAGAIN (and consumes the kernel log when it has data). Reading one must
+        # not raise in the launcher: stand in for it with a FIFO that has a writer
+        # but no data, reported as a regular file.
+        path = tmp_path / "error.json"
+        os.mkfifo(path)
+        writer = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+        real_fstat, real_lstat = os.fstat, os.lstat
+
+        def as_regular(st: os.stat_result) -> os.stat_result:
+            fields = list(st)
+            fields[0] = stat.S_IFREG | 0o400
+            return os.stat_result(fields)
+
+        def fake_fstat(fd: int) -> os.stat_result:
+            st = real_fstat(fd)
+            return as_regular(st) if stat.S_ISFIFO(st.st_mode) else st
+
+        def fake_lstat(p: Any, *a: Any, **kw: Any) -> os.stat_result:
+            st = real_lstat(p, *a, **kw)
+            return as_regular(st) if os.fspath(p) == str(path) else st
+
+        monkeypatch.setattr(os, "fstat", fake_fstat)
+        monkeypatch.setattr(os, "lstat", fake_lstat)
+        try:
+            f = ProcessFailure(0, 1, 1, str(path))
+        finally:
+            os.close(writer)
+        explanation = (
+            f"error file {path} could not be read: Resource temporarily unavailable (errno 11)"
+        )
+        assert (f.message, f.error_file_problem) == (explanation, explanation)
+        assert f.error_file == str(path)
+
+    def test_symlinked_child_file_is_not_copied(
+        self, error_file: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        child = tmp_path / "child.json"
+        child.symlink_to(write_json(tmp_path / "secret.json", nested("E: secret")))
+        with caplog.at_level(logging.WARNING, logger=error_handler_mod.__name__):
+            ErrorHandler().dump_error_file(str(child), 1)
+        data = json.loads(error_file.read_text())
+        assert data["message"]["message"] == (
+            f"error file {child} is a symbolic link, not a regular file"
+        )
+        assert "secret" not in error_file.read_text()
+        assert f"cannot copy child error file: error file {child} is a symbolic link" in caplog.text
+
+
 # ---------------------------------------------------------------- ChildFailedError
 
 

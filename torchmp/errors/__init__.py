@@ -60,6 +60,8 @@ How torchmp improves on torch here:
   the first failure (``terminated_by_launcher``) are never blamed.
 * A malformed, oversized or unreadable ``error.json`` becomes a failure whose
   ``message`` says what is wrong with the file; it never raises inside the launcher.
+* ``error.json`` is read only if it is a regular file: a symlink is not followed
+  (to a FIFO, a device, ``/proc/kmsg``), and a FIFO or device is never opened.
 * ``error.json`` is written atomically, so a reader never sees half a file.
 """
 
@@ -81,6 +83,7 @@ from typing import Any, Final, ParamSpec, TypeVar, overload
 from .error_handler import (
     MAX_ERROR_FILE_BYTES,
     ErrorHandler,
+    _NotARegularFile,
     _read_error_file,
     _UnreadableErrorFile,
 )
@@ -135,7 +138,9 @@ class ProcessFailure:
 
     * Missing file (the worker did not use ``@record``, or died by a signal):
       ``error_file`` becomes ``"<N/A>"`` and ``message`` is made up from the exit
-      status -- ``"Signal 9 (SIGKILL) received by PID 123"`` for a signal.
+      status -- ``"Signal 9 (SIGKILL) received by PID 123"`` for a signal. A path
+      that is not a regular file (a symlink -- never followed --, FIFO, device,
+      socket, directory) counts as missing, with a warning logged.
     * ``{"message": {"message": ..., "extraInfo": {...}}}`` (what :class:`ErrorHandler`
       writes): ``message`` is that inner **dict**, as in torch, so the report can
       show its ``py_callstack``; ``timestamp`` comes from ``extraInfo``.
@@ -184,6 +189,13 @@ class ProcessFailure:
         default_timestamp: int | None = None
         try:
             data = _read_error_file(self.error_file, MAX_ERROR_FILE_BYTES)
+        except _NotARegularFile as e:
+            # Not the worker's error report, whatever it points to: say so, and
+            # carry on as if there were no file (torch's rule for a FIFO).
+            logger.warning(
+                "rank %s (pid %s): %s; ignored (no error file)", self.local_rank, self.pid, e
+            )
+            self.error_file = _NOT_AVAILABLE
         except FileNotFoundError:
             self.error_file = _NOT_AVAILABLE
         except _UnreadableErrorFile as e:

@@ -23,11 +23,15 @@ Two things torch does not do, and why:
   A reader sees either the old file, or no file, or the complete new one.
 * Reading is capped and never raises on bad content (see :func:`_read_error_file`).
   The file is written by user code, so the launcher must treat it as untrusted input:
-  a malformed or enormous file must not crash or exhaust the agent.
+  a malformed or enormous file must not crash or exhaust the agent, and only a
+  regular file is read -- a symlink is not followed, so a worker cannot make the
+  launcher block on a FIFO, read a device or ``/proc/kmsg``, or report another
+  file's content as its own.
 """
 
 from __future__ import annotations
 
+import errno
 import faulthandler
 import json
 import logging
@@ -58,32 +62,97 @@ class _UnreadableErrorFile(Exception):
     """An error file exists but its content cannot be used; ``str()`` says why."""
 
 
+class _NotARegularFile(FileNotFoundError):
+    """The error file path names something other than a regular file (a symlink,
+    FIFO, device, socket or directory); treated as no error file. ``str()`` says
+    what it is, for the warning the caller logs."""
+
+
+#: O_NOFOLLOW: a symlink is never followed (a worker could point its error file at
+#: /proc/kmsg, another job's files or a device). O_NONBLOCK: opening a FIFO that the
+#: checks below did not catch (swapped in after the lstat) does not wait for a writer.
+_OPEN_FLAGS: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+_READ_CHUNK: Final = 1 << 16
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return f"not a regular file (mode {stat.filemode(mode)})"
+
+
+def _not_regular(path: str, mode: int) -> _NotARegularFile:
+    return _NotARegularFile(f"error file {path} is {_file_kind(mode)}, not a regular file")
+
+
 def _read_error_file(path: str, limit: int = MAX_ERROR_FILE_BYTES) -> Any:
     """Read and parse the JSON error file at ``path``, reading at most ``limit`` bytes.
 
     Returns whatever JSON value the file holds (the caller checks its shape).
 
-    Raises ``FileNotFoundError`` when there is no regular file at ``path`` -- torch
-    checks ``os.path.isfile`` and treats a directory or FIFO like a missing file; a FIFO
-    must also never be opened in blocking mode, or the launcher would hang on it.
+    Raises ``FileNotFoundError`` when there is no file at ``path`` (``os.devnull``,
+    what ``--log-dir /dev/null`` gives, counts as none), and its subclass
+    :class:`_NotARegularFile` when ``path`` is anything but a regular file -- torch
+    checks ``os.path.isfile`` and treats a directory or FIFO like a missing file.
+    Stricter than torch, a symlink is not followed: the path is chosen by the
+    launcher but the file is made by the worker, which could link it to a FIFO (a
+    blocking read would hang the launcher), a device, ``/proc/kmsg`` (reading
+    consumes the kernel log) or files the worker should not show. ``lstat`` first,
+    so such things are never even opened; then ``O_NOFOLLOW`` and ``fstat`` on the
+    open file close the race of a path swapped in between.
     Raises :class:`_UnreadableErrorFile` with a one-line explanation for every other
-    problem (permissions, I/O error, too large, not UTF-8, not JSON).
+    problem (permissions, I/O error, a read that would block, too large, not UTF-8,
+    not JSON).
     """
+    if path == os.devnull:
+        raise FileNotFoundError(f"error file {path} is the null device: no error file")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        mode = os.lstat(path).st_mode
     except (FileNotFoundError, NotADirectoryError):
         raise FileNotFoundError(f"error file {path} does not exist") from None
     except OSError as e:
         raise _UnreadableErrorFile(
             f"error file {path} could not be opened: {_os_error_text(e)}"
         ) from None
+    if not stat.S_ISREG(mode):
+        raise _not_regular(path, mode)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise FileNotFoundError(f"error file {path} is not a regular file")
-        with open(fd, "rb", closefd=False) as fp:
-            # One byte more than the cap tells "exactly at the cap" from "over it"
-            # without stat-ing (st_size lies for /proc files and races with writers).
-            raw = fp.read(limit + 1)
+        fd = os.open(path, _OPEN_FLAGS)
+    except (FileNotFoundError, NotADirectoryError):
+        raise FileNotFoundError(f"error file {path} does not exist") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # made a symlink since the lstat
+            raise _not_regular(path, stat.S_IFLNK) from None
+        raise _UnreadableErrorFile(
+            f"error file {path} could not be opened: {_os_error_text(e)}"
+        ) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_regular(path, mode)
+        # One byte more than the cap tells "exactly at the cap" from "over it"
+        # without trusting st_size (it lies for /proc files and races with
+        # writers). os.read, not a buffered file: a "regular" file can still
+        # answer a non-blocking read with EAGAIN (/proc/kmsg does), which
+        # os.read raises while a buffered read returns None.
+        chunks: list[bytes] = []
+        remaining = limit + 1
+        while remaining > 0:
+            chunk = os.read(fd, min(remaining, _READ_CHUNK))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            remaining -= len(chunk)
+        raw = b"".join(chunks)
     except OSError as e:
         if isinstance(e, FileNotFoundError):
             raise
@@ -327,6 +396,9 @@ class ErrorHandler:
         """
         try:
             original = _read_error_file(my_error_file)
+        except _NotARegularFile as e:
+            logger.warning("%s; not read, will be replaced", e)
+            return
         except FileNotFoundError:
             return
         except _UnreadableErrorFile as e:
