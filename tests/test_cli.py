@@ -563,3 +563,48 @@ def test_command_after_options_without_double_dash(run, tmp_path):
                          "echo", "-n", "a", "--", "b")
     assert code == 0, err
     assert out == "[echo0]:a -- b\n"
+
+
+# ---------------------------------------------------------------------------
+# Defects: names that escape --log-dir, the count of succeeded ranks after a
+# signal, log directories that cannot be made, error files that are links
+
+
+@pytest.mark.parametrize("name", ["../../x", "a/b", "/abs", ".", ".."])
+def test_name_that_is_not_a_plain_file_name_is_a_usage_error(run, tmp_path, name):
+    # The name is the first part of the run's directory under --log-dir: a
+    # '/' in it would put the logs (and error files) somewhere else.
+    base = tmp_path / "a" / "b"
+    marker = tmp_path / "started"
+    code, out, err = run("run", "-n", "1", "--name", name, "--log-dir", str(base),
+                         "--", "touch", str(marker))
+    assert code == 2
+    assert err == (
+        "usage: torchmp run -n N [options] -- COMMAND [ARGS...]\n"
+        f"torchmp run: error: --name: {name!r} cannot name the run's log directory "
+        "(it must not contain '/' or a NUL byte, nor be '.' or '..')\n")
+    assert out == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing created, anywhere
+
+
+def test_name_with_nul_byte_is_a_usage_error(tmp_path, capsys):
+    from torchmp import cli
+
+    marker = tmp_path / "started"
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["-n", "1", "--name", "a\0b", "--log-dir", str(tmp_path / "logs"),
+                  "--", "touch", str(marker)])
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.err.endswith(
+        "torchmp run: error: --name: 'a\\x00b' cannot name the run's log directory "
+        "(it must not contain '/' or a NUL byte, nor be '.' or '..')\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_plain_names_with_dots_are_fine(run, tmp_path):
+    code, out, err = run("run", "-n", "1", "--name", "..job.v2", "--no-summary",
+                         "--log-dir", str(tmp_path), "--", "true")
+    assert code == 0, err
+    assert log_dir_of(err).parent.parent == tmp_path
+    assert log_dir_of(err).parent.name.startswith("..job.v2_")

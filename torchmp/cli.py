@@ -222,6 +222,16 @@ def _check_prefix(template: str) -> None:
         raise _UsageError(f"--prefix: cannot format {template!r}: {e}") from None
 
 
+def _check_name(name: str) -> None:
+    """The name starts the run's directory under ``--log-dir`` (torchrun's
+    ``{log_dir}/{name}_<random>``): it must be one path component, or the logs
+    and error files would land outside ``--log-dir``."""
+    if "/" in name or "\0" in name or name in (".", ".."):
+        raise _UsageError(
+            f"--name: {name!r} cannot name the run's log directory "
+            "(it must not contain '/' or a NUL byte, nor be '.' or '..')")
+
+
 _PYTHON_RE = re.compile(r"python[0-9.]*")
 
 
@@ -274,6 +284,8 @@ class _Plan:
         self.name: str = args.name if args.name is not None else default_name(command)
         if not self.name:
             raise _UsageError("--name must not be empty")
+        if args.name is not None:  # a default name is a base name already
+            _check_name(self.name)
         redirects = _parse_std(args.redirects, self.nproc, "--redirects")
         if args.tee is None:
             # Tee whatever is not redirected: output reaches the console prefixed.
