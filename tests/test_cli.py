@@ -24,7 +24,7 @@ import pytest
 
 import torchmp
 
-from helpers import TAG_VAR, kill_tagged, tagged, wait_no_tagged
+from helpers import TAG_VAR, kill_tagged, tagged, wait_gone, wait_no_tagged
 
 # Subprocesses import the torchmp these tests import (installed, or a built
 # source tree), and run from "/" so that `python -m` cannot pick up an
@@ -608,3 +608,43 @@ def test_plain_names_with_dots_are_fine(run, tmp_path):
     assert code == 0, err
     assert log_dir_of(err).parent.parent == tmp_path
     assert log_dir_of(err).parent.name.startswith("..job.v2_")
+
+
+def _pid_file_cmd(tmp_path: Path, body: str) -> str:
+    return (f"echo $$ > {tmp_path}/pid.$RANK.tmp; mv {tmp_path}/pid.$RANK.tmp "
+            f"{tmp_path}/pid.$RANK; {body}")
+
+
+def test_ranks_that_exit_0_on_the_launchers_signal_did_not_succeed(torchmp_cli, tmp_path):
+    # Rank 0 finishes before torchmp run gets SIGTERM: it succeeded. Ranks 1
+    # and 2 exit 0 when the signal is passed on to them: terminated, not a
+    # success -- the exit code (143) says the run did not complete.
+    c = torchmp_cli("run", "-n", "3", "--log-dir", str(tmp_path / "logs"), "--", "sh", "-c",
+                    _pid_file_cmd(tmp_path, '[ "$RANK" = 0 ] && exit 0; '
+                                            "trap 'exit 0' TERM; sleep 30 & wait"))
+    pids = _wait_files([tmp_path / f"pid.{r}" for r in range(3)])
+    assert wait_gone([pids[0]]) == []  # exited (a zombie, or reaped already)
+    time.sleep(0.3)  # for torchmp run to see the exit (its pidfd wakes at once)
+    os.kill(c.proc.pid, signal.SIGTERM)
+    code, out, err = c.communicate()
+    assert code == 128 + signal.SIGTERM
+    assert re.fullmatch(r"torchmp: summary of sh: 1/3 ranks succeeded, exit code 143, \d+\.\d\ds",
+                        summary_title(err)), err
+    rows = summary_rows(err)
+    assert [(rows[r]["exit"], rows[r]["note"]) for r in range(3)] == [
+        ("0", None), ("0", "terminated by torchmp"), ("0", "terminated by torchmp")]
+    assert wait_no_tagged(c.tag) == []
+
+
+def test_ranks_that_exit_0_on_the_fail_fast_did_not_succeed(run, tmp_path):
+    code, out, err = run("run", "-n", "3", "--log-dir", str(tmp_path / "logs"), "--", "sh", "-c",
+                         _pid_file_cmd(tmp_path, f'if [ "$RANK" = 1 ]; then '
+                                                 f'while [ ! -e {tmp_path}/pid.0 ] || '
+                                                 f'[ ! -e {tmp_path}/pid.2 ]; do sleep 0.01; done; '
+                                                 "exit 7; fi; trap 'exit 0' TERM; sleep 30 & wait"))
+    assert code == 7
+    assert re.fullmatch(r"torchmp: summary of sh: 0/3 ranks succeeded, exit code 7, \d+\.\d\ds",
+                        summary_title(err)), err
+    rows = summary_rows(err)
+    assert [(rows[r]["exit"], rows[r]["note"]) for r in range(3)] == [
+        ("0", "terminated by torchmp"), ("7", "root cause"), ("0", "terminated by torchmp")]

@@ -43,7 +43,7 @@ import string
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from types import FrameType
 from typing import Any, NoReturn
 
@@ -403,8 +403,14 @@ def format_summary(
     notes: dict[int, str],
     exit_code: int,
     elapsed: float,
+    terminated: Collection[int] = (),
 ) -> str:
-    """The end-of-run table, one row per local rank (``?`` where unknown)."""
+    """The end-of-run table, one row per local rank (``?`` where unknown).
+
+    A rank succeeded if it exited 0 on its own: one in ``terminated`` (stopped by
+    the fail-fast or by the signal torchmp run got) did not, whatever its exit
+    code -- a worker that exits 0 on SIGTERM was cut short, as the exit code says.
+    """
     header = ("rank", "pid", "exit", "wall", "cpu", "max rss", "")
     rows = []
     resources = getattr(result, "resources", {}) if result is not None else {}
@@ -429,9 +435,10 @@ def format_summary(
         out = [c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))]
         return "  ".join(out).rstrip()
 
-    failed = sum(1 for local in range(nproc)
-                 if resources.get(local) is None or resources[local].exitcode != 0)
-    title = (f"torchmp: summary of {plan_name}: {nproc - failed}/{nproc} ranks succeeded, "
+    succeeded = sum(1 for local in range(nproc)
+                    if local not in terminated and resources.get(local) is not None
+                    and resources[local].exitcode == 0)
+    title = (f"torchmp: summary of {plan_name}: {succeeded}/{nproc} ranks succeeded, "
              f"exit code {exit_code}, {elapsed:.2f}s")
     return "\n".join([title, line(header), *(line(r) for r in rows)]) + "\n"
 
@@ -524,6 +531,20 @@ class _Run:
         failures = {self.plan.global_rank(local): f for local, f in self.result.failures.items()}
         return ChildFailedError(self.plan.name, failures)
 
+    def terminated(self) -> set[int]:
+        """Local ranks torchmp stopped (fail-fast, or the signal it got),
+        whatever their exit code."""
+        if self.result is None:
+            return set()
+        ranks = {local for local, failure in self.result.failures.items()
+                 if failure.terminated_by_launcher or (
+                     self.signal is not None
+                     and failure.exitcode in (-self.signal, -signal.SIGKILL))}
+        # A rank that exits 0 when told to stop is in no failure: the context
+        # knows which ranks were still running when it sent the signal.
+        ranks.update(getattr(self.ctx, "_terminated_by_launcher", ()))
+        return ranks
+
     def notes(self) -> dict[int, str]:
         notes: dict[int, str] = {}
         if self.result is None:
@@ -531,11 +552,11 @@ class _Run:
         root = None
         if self.result.failures and self.signal is None:
             root = self._child_failed_error().get_first_failure()[1].local_rank
-        for local, failure in self.result.failures.items():
+        terminated = self.terminated()
+        for local in range(self.plan.nproc):
             if local == root:
                 notes[local] = "root cause"
-            elif failure.terminated_by_launcher or (
-                    self.signal is not None and failure.exitcode in (-self.signal, -signal.SIGKILL)):
+            elif local in terminated:
                 notes[local] = "terminated by torchmp"
         return notes
 
@@ -547,7 +568,8 @@ class _Run:
         if self.plan.summary:
             sys.stderr.write(format_summary(
                 self.plan.name, self.plan.nproc, self.plan.global_rank, self.result,
-                self.notes(), self.exit_code(), time.monotonic() - self.started))
+                self.notes(), self.exit_code(), time.monotonic() - self.started,
+                self.terminated()))
         sys.stderr.flush()
 
 
