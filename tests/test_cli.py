@@ -6,6 +6,7 @@ kills their process groups, even when a test fails.
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -380,7 +381,9 @@ def test_unusable_log_dir_is_an_error(run, tmp_path):
     (tmp_path / "file").write_text("")
     rc, out, err = run("run", "-n", "1", "--log-dir", str(tmp_path / "file" / "logs"), "--", "true")
     assert rc == 1
-    assert "torchmp: error: " in err and "log directory" not in err
+    assert err == (f"torchmp: error: cannot create log directory {tmp_path}/file/logs: "
+                   f"{tmp_path}/file is not a directory (mkdir: Not a directory)\n")
+    assert out == ""
 
 
 # ---------------------------------------------------------------------------
@@ -648,3 +651,75 @@ def test_ranks_that_exit_0_on_the_fail_fast_did_not_succeed(run, tmp_path):
     rows = summary_rows(err)
     assert [(rows[r]["exit"], rows[r]["note"]) for r in range(3)] == [
         ("0", "terminated by torchmp"), ("7", "root cause"), ("0", "terminated by torchmp")]
+
+
+@pytest.mark.parametrize("log_dir,message", [
+    # procfs answers mkdir with ENOENT although /proc exists: name the real cause
+    ("/proc/x", "cannot create log directory /proc/x: /proc is not writable "
+                "(mkdir: No such file or directory)"),
+    ("/proc/x/y/z", "cannot create log directory /proc/x/y/z: /proc is not writable "
+                    "(mkdir /proc/x: No such file or directory)"),
+])
+def test_log_dir_that_cannot_be_created(run, tmp_path, log_dir, message):
+    marker = tmp_path / "started"
+    code, out, err = run("run", "-n", "1", "--log-dir", log_dir, "--", "touch", str(marker))
+    assert code == 1
+    assert err == f"torchmp: error: {message}\n"
+    assert out == "" and not marker.exists()
+
+
+def test_log_dir_in_which_no_run_directory_can_be_made(run, tmp_path):
+    # /proc exists and is a directory, but the run's directory cannot be made in it.
+    marker = tmp_path / "started"
+    code, out, err = run("run", "-n", "1", "--log-dir", "/proc", "--", "touch", str(marker))
+    assert code == 1
+    assert re.fullmatch(r"torchmp: error: cannot create log directory /proc/touch_\w+: "
+                        r"/proc is not writable \(mkdir: No such file or directory\)\n", err), err
+    assert out == "" and not marker.exists()
+
+
+def test_log_dir_that_is_a_dangling_symlink(run, tmp_path):
+    link = tmp_path / "logs"
+    link.symlink_to(tmp_path / "gone")
+    code, out, err = run("run", "-n", "1", "--log-dir", str(link), "--", "true")
+    assert code == 1
+    assert err == (f"torchmp: error: cannot create log directory {link}: {link} is a "
+                   "dangling symbolic link (mkdir: File exists)\n")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
+def test_log_dir_permission_denied(run, tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    try:
+        code, out, err = run("run", "-n", "1", "--log-dir", str(locked / "a" / "logs"),
+                             "--", "true")
+    finally:
+        locked.chmod(0o700)
+    assert code == 1
+    assert err == (f"torchmp: error: cannot create log directory {locked}/a/logs: {locked} "
+                   f"is not writable (mkdir {locked}/a: Permission denied)\n")
+
+
+@pytest.mark.parametrize("errno_,strerror,expected", [
+    (errno.EACCES, "Permission denied",
+     "cannot create log directory {d}/a/logs: {d} is not writable "
+     "(mkdir {d}/a: Permission denied)"),
+    (errno.EROFS, "Read-only file system",
+     "cannot create log directory {d}/a/logs: Read-only file system (mkdir {d}/a)"),
+    (errno.ENOSPC, "No space left on device",
+     "cannot create log directory {d}/a: No space left on device"),
+])
+def test_mkdir_error_messages(tmp_path, errno_, strerror, expected):
+    # The message built from hand-made errors, as root too: {d} is mode 0500.
+    from torchmp.cli import _describe_mkdir_error
+
+    d = tmp_path / "locked"
+    d.mkdir(mode=0o500)
+    failing = f"{d}/a"
+    requested = f"{d}/a/logs" if errno_ != errno.ENOSPC else failing
+    e = OSError(errno_, strerror, failing)
+    try:
+        assert _describe_mkdir_error(e, requested) == expected.format(d=d)
+    finally:
+        d.chmod(0o700)

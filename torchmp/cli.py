@@ -24,6 +24,7 @@ a rank failed                       the root-cause rank's exit code, or
                                     128 + N if signal N killed it
 ``torchmp run`` got signal N        128 + N (after terminating the workers)
 bad usage (nothing started)         2
+the log directory cannot be made    1 (nothing started)
 the command cannot be found         127 (126: found but not executable)
 ==================================  ==========================================
 
@@ -34,6 +35,7 @@ Log files are laid out as ``torchrun``'s:
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import re
@@ -69,6 +71,11 @@ logger = logging.getLogger("torchmp.cli")
 
 class _UsageError(Exception):
     pass
+
+
+class _SetupError(Exception):
+    """Something torchmp run needs could not be made (nothing was started);
+    ``str()`` is the whole message."""
 
 
 # ---------------------------------------------------------------------------
@@ -357,13 +364,56 @@ class _AnnouncingLogsSpecs(DefaultLogsSpecs):
     """torchrun's layout; says where the run's files are before any rank starts."""
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
-        dest = super().reify(envs)
+        try:
+            dest = super().reify(envs)
+        except OSError as e:  # the run's directories, inside --log-dir
+            raise _SetupError(_describe_mkdir_error(e, self.root_log_dir)) from e
         if self.root_log_dir == os.devnull:
             _say(f"no log files (--log-dir {os.devnull})")
         elif dest.error_files:
             attempt_dir = os.path.dirname(os.path.dirname(dest.error_files[0]))
             _say(f"log directory: {attempt_dir}")
         return dest
+
+
+def _describe_mkdir_error(e: OSError, requested: str) -> str:
+    """``cannot create log directory ...: why`` for a failed mkdir.
+
+    ``requested`` is the directory asked for; ``e.filename`` is the one whose
+    mkdir failed (an ancestor, when ``os.makedirs`` stopped early, or the
+    run's directory inside it).  The errno alone can mislead: procfs and
+    sysfs answer mkdir with ENOENT although the parent exists, so the parent
+    is looked at to name the real cause.
+    """
+    failing = os.fsdecode(e.filename) if e.filename is not None else requested
+    # The requested directory, if the failing one is it or one of its parents.
+    inside = requested.rstrip(os.sep) + os.sep
+    shown = requested if inside.startswith(failing.rstrip(os.sep) + os.sep) else failing
+    call = "mkdir" if failing == shown else f"mkdir {failing}"
+    strerror = e.strerror or str(e)
+    parent = os.path.dirname(failing.rstrip(os.sep)) or "."
+    diagnosis = None
+    if e.errno in (errno.ENOENT, errno.EACCES, errno.EPERM) and os.path.isdir(parent):
+        try:
+            mode = os.stat(parent).st_mode
+        except OSError:
+            mode = 0
+        if not mode & 0o222 or not os.access(parent, os.W_OK | os.X_OK):
+            diagnosis = f"{parent} is not writable"
+        elif e.errno == errno.ENOENT:
+            diagnosis = f"{parent} does not allow creating directories"
+    elif e.errno == errno.ENOTDIR:
+        ancestor = parent
+        while ancestor not in ("", os.sep, ".") and not os.path.lexists(ancestor):
+            ancestor = os.path.dirname(ancestor)
+        if os.path.lexists(ancestor) and not os.path.isdir(ancestor):
+            diagnosis = f"{ancestor} is not a directory"
+    elif e.errno == errno.EEXIST:
+        diagnosis = (f"{failing} is a dangling symbolic link" if os.path.islink(failing)
+                     else f"{failing} exists and is not a directory")
+    reason = f"{diagnosis} ({call}: {strerror})" if diagnosis else (
+        strerror if failing == shown else f"{strerror} ({call})")
+    return f"cannot create log directory {shown}: {reason}"
 
 
 # ---------------------------------------------------------------------------
@@ -481,10 +531,14 @@ class _Run:
         port = plan.master_port if plan.master_port is not None else _free_port()
         envs = plan.envs(port)
         log_dir = plan.log_dir_arg
-        if log_dir is None:
-            log_dir = tempfile.mkdtemp(prefix="torchmp_")
-        specs = _AnnouncingLogsSpecs(log_dir=log_dir, redirects=plan.redirects, tee=plan.tee,
-                                     local_ranks_filter=plan.ranks_filter)
+        try:
+            if log_dir is None:
+                log_dir = tempfile.mkdtemp(prefix="torchmp_")
+            specs = _AnnouncingLogsSpecs(log_dir=log_dir, redirects=plan.redirects,
+                                         tee=plan.tee, local_ranks_filter=plan.ranks_filter)
+        except OSError as e:  # it makes --log-dir and its parents
+            raise _SetupError(
+                _describe_mkdir_error(e, log_dir or tempfile.gettempdir())) from e
         extra: dict[str, Any] = {}
         if plan.timestamps:
             extra["log_line_timestamps"] = True
@@ -605,9 +659,12 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
             run.wait()
         except SignalException as e:
             run.shut_down(e.sigval)
+        except _SetupError as e:
+            _say(f"error: {e}")
+            return 1
         except OSError as e:
-            # exec failed after all (e.g. ENOEXEC), or the log directory, a
-            # pipe or fork failed: nothing is left running (start_processes
+            # exec failed after all (e.g. ENOEXEC), or a log file, a pipe or
+            # fork failed: nothing is left running (start_processes
             # reaped what it had started).
             _say(f"error: {e}")
             if run.ctx is None and e.filename is not None and \
