@@ -723,3 +723,20 @@ def test_mkdir_error_messages(tmp_path, errno_, strerror, expected):
         assert _describe_mkdir_error(e, requested) == expected.format(d=d)
     finally:
         d.chmod(0o700)
+
+
+def test_symlinked_error_file_is_not_followed(run, tmp_path):
+    # A worker pointing its error file at something else (here a file too big
+    # to read; /proc/kmsg or a FIFO alike) gets "no error file", and a warning.
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * (2 << 20))
+    code, out, err = run("run", "-n", "1", "--log-dir", str(tmp_path / "logs"), "--", "sh", "-c",
+                         f'ln -s {big} "$TORCHELASTIC_ERROR_FILE"; exit 3')
+    assert code == 3
+    error_file = log_dir_of(err) / "0" / "error.json"
+    assert re.search(rf"^torchmp: rank 0 \(pid \d+\): error file {re.escape(str(error_file))} "
+                     r"is a symbolic link, not a regular file; ignored \(no error file\)$", err, re.M)
+    root = err.split("Root Cause (first observed failure):\n", 1)[1]
+    assert "  error_file: <N/A>\n" in root
+    assert ("  traceback : To enable traceback see: "
+            "https://pytorch.org/docs/stable/elastic/errors.html\n") in root
