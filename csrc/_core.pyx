@@ -167,6 +167,31 @@ def backend():
     return "epoll" if b == TORCHMP_BACKEND_EPOLL else "poll"
 
 
+def collect_exit(pid_t pid):
+    """If child pid has exited: (wait status, user ns, system ns, max RSS
+    KiB), leaving the zombie in place (waitid WNOWAIT); None if it runs."""
+    cdef int status = 0
+    cdef int64_t ut = 0, st = 0, rss = 0
+    cdef int r = torchmp_collect_exit(pid, &status, &ut, &st, &rss)
+    check(r, b"waitid")
+    return (status, ut, st, rss) if r else None
+
+
+def keeper_pid():
+    """The pid of this process's keeper (0 if none yet): the process that
+    SIGKILLs every worker process group still open when this process dies."""
+    return torchmp_keeper_pid()
+
+
+def _forget_keeper_after_fork():
+    # A forked child must not hold its parent's keeper pipe open: the keeper
+    # would miss the parent's death for as long as the child lives.
+    torchmp_keeper_forget()
+
+
+_os.register_at_fork(after_in_child=_forget_keeper_after_fork)
+
+
 def loop_fd_count():
     """How many fds the I/O thread holds (its own plus every watched one)."""
     return check(torchmp_loop_fd_count(), b"starting the torchmp I/O thread")
@@ -240,7 +265,11 @@ class SpawnError(OSError):
 
 
 cdef class Group:
-    """The native side of one PContext: its ranks, their streams and exits."""
+    """The native side of one PContext: its ranks, their streams and exits.
+
+    Safe from any thread and from signal handlers: release() while other
+    threads sit in wait() (or any call that drops the GIL) wakes them and
+    frees the native group only once the last of them has left."""
 
     cdef torchmp_group *g
     cdef readonly int nprocs
@@ -250,6 +279,14 @@ cdef class Group:
     cdef torchmp_rank_spec *staged
     cdef int64_t *fork_ns
     cdef int nstaged
+    # Workers started outside the I/O thread, recorded in C the moment their
+    # pid is known (no Python handler can run in between), until adopted:
+    # an interrupted launch can then still find and kill every one.
+    cdef pid_t *forked_pid
+    cdef bint *forked_foreign
+    # Calls that run without the GIL right now; release() waits for them.
+    cdef int users
+    cdef bint release_pending
 
     def __cinit__(self, int nprocs, list out_filters=None, int filtered_out_fd=-1,
                   list err_filters=None, int filtered_err_fd=-1):
@@ -261,6 +298,10 @@ cdef class Group:
         self.nprocs = nprocs
         self.started = 0
         self.owner_pid = getpid()
+        self.forked_pid = <pid_t *>calloc(nprocs if nprocs > 0 else 1, sizeof(pid_t))
+        self.forked_foreign = <bint *>calloc(nprocs if nprocs > 0 else 1, sizeof(bint))
+        if self.forked_pid == NULL or self.forked_foreign == NULL:
+            raise MemoryError()
         try:
             if out_filters is not None:
                 needles_fill(&out_n, out_filters, keep)
@@ -281,18 +322,42 @@ cdef class Group:
         if self.g != NULL:
             torchmp_group_release(self.g)
             self.g = NULL
+        free(self.forked_pid)
+        free(self.forked_foreign)
 
     def release(self):
         """Hand the group back to the I/O thread, which frees it (and its
-        fds) once every rank is reaped and every stream closed.  Later calls
-        raise ValueError; release itself is idempotent."""
+        fds) once every rank is reaped and every stream closed.  Threads
+        waiting on the group are woken; the native group goes once the last
+        has left.  Later calls raise ValueError; release itself is
+        idempotent."""
+        if self.g == NULL or self.release_pending:
+            return
         self._unstage()
+        self.release_pending = True
+        if getpid() == self.owner_pid:
+            torchmp_group_interrupt(self.g)
+        if self.users == 0:
+            self._free_group()
+
+    cdef void _free_group(self) noexcept:
         if self.g != NULL:
             torchmp_group_release(self.g)
             self.g = NULL
 
+    cdef int _enter(self) except -1:
+        """Before a call that drops the GIL: the group stays until _leave."""
+        self._ours()
+        self.users += 1
+        return 0
+
+    cdef void _leave(self) noexcept:
+        self.users -= 1
+        if self.users == 0 and self.release_pending:
+            self._free_group()
+
     cdef int _ours(self) except -1:
-        if self.g == NULL:
+        if self.g == NULL or self.release_pending:
             raise ValueError("worker group is closed")
         if getpid() != self.owner_pid:
             raise RuntimeError(
@@ -339,8 +404,12 @@ cdef class Group:
                 stream_spec_fill(&cspecs[i].err, errspec, keep)
                 stream_spec_fill(&cspecs[i].ret, ret, keep)
             memset(&err, 0, sizeof(err))
-            with nogil:
-                started = torchmp_group_spawn(self.g, cspecs, <int>count, &err)
+            self._enter()
+            try:
+                with nogil:
+                    started = torchmp_group_spawn(self.g, cspecs, <int>count, &err)
+            finally:
+                self._leave()
             if started < 0:
                 check(-1, b"handing the spawn request to the I/O thread")
             self.started = started
@@ -421,8 +490,12 @@ cdef class Group:
                 stream_spec_fill(&self.staged[i].err, errspec, keep)
                 stream_spec_fill(&self.staged[i].ret, ret, keep)
             memset(&err, 0, sizeof(err))
-            with nogil:
-                prepared = torchmp_group_prepare(self.g, self.staged, <int>count, &err)
+            self._enter()
+            try:
+                with nogil:
+                    prepared = torchmp_group_prepare(self.g, self.staged, <int>count, &err)
+            finally:
+                self._leave()
             if prepared < 0:
                 check(-1, b"handing the prepare request to the I/O thread")
             if prepared < count:
@@ -502,6 +575,7 @@ cdef class Group:
         pid = fork()
         saved = errno
         if pid == 0:
+            torchmp_keeper_forget()
             for j in range(nsigs):
                 c_signal(sigs[j], SIG_DFL)
             sigemptyset(&no_signals)
@@ -525,6 +599,11 @@ cdef class Group:
                     c_close(spec.args.child_fds[j])
             self.owner_pid = -1  # this group belongs to the parent
             return 0, ret_fd
+        if pid > 0:
+            # Before anything that could run Python code: from here on an
+            # interrupted launch knows this worker (adopt_forked).
+            self.forked_pid[rank] = pid
+            self.forked_foreign[rank] = False
         PyOS_AfterFork_Parent()
         pthread_sigmask(SIG_SETMASK, &old_mask, NULL)
         if pid < 0:
@@ -560,10 +639,17 @@ cdef class Group:
                 # 0 (not forked here, e.g. by a forkserver): adopted now.
                 starts[i] = self.fork_ns[rank] if 0 <= rank < self.nstaged else 0
             memset(&err, 0, sizeof(err))
-            with nogil:
-                adopted = torchmp_group_adopt(self.g, ranks, pids, starts, <int>count, foreign, &err)
+            self._enter()
+            try:
+                with nogil:
+                    adopted = torchmp_group_adopt(self.g, ranks, pids, starts, <int>count, foreign, &err)
+            finally:
+                self._leave()
             if adopted < 0:
                 check(-1, b"handing the adopt request to the I/O thread")
+            for i in range(count):
+                # Adopted, or (past a failure) killed and reaped by the loop.
+                self.forked_pid[ranks[i]] = 0
             for i in range(adopted):
                 self.started = max(self.started, ranks[i] + 1)
             if adopted < count:
@@ -575,12 +661,57 @@ cdef class Group:
             free(pids)
             free(starts)
 
+    def adopt_forked(self):
+        """Adopt every worker fork_rank() or forkserver_fork() started that
+        is not watched yet (an interrupted launch: so close() kills it)."""
+        cdef int rank
+        for foreign in (False, True):
+            pending = [(rank, self.forked_pid[rank]) for rank in range(self.nprocs)
+                       if self.forked_pid[rank] > 0 and bool(self.forked_foreign[rank]) == foreign]
+            if pending:
+                self.adopt(pending, foreign)
+
+    def forkserver_fork(self, int rank, int sock_fd, bytes message not None, list fds, double timeout):
+        """Send a fork request for rank to a forkserver and read its reply:
+        the worker's pid (recorded for adopt_forked before this returns), or
+        -errno of a failed fork.  OSError if the server is gone or silent."""
+        cdef int cfds[8]
+        cdef int nfds = len(fds), rc, err, j
+        cdef int64_t reply = 0
+        cdef int64_t timeout_ns = <int64_t>(timeout * 1e9)
+        cdef const char *buf = PyBytes_AS_STRING(message)
+        cdef size_t length = <size_t>PyBytes_GET_SIZE(message)
+        self._ours()
+        if not 0 <= rank < self.nprocs:
+            raise ValueError(f"local rank {rank} is out of range")
+        if nfds > 8:
+            raise ValueError("too many fds")
+        for j in range(nfds):
+            cfds[j] = fds[j]
+        self._enter()
+        try:
+            with nogil:
+                rc = torchmp_forkserver_request(sock_fd, buf, length, cfds, nfds, timeout_ns, &reply)
+                err = errno
+                if rc == 0 and reply > 0:
+                    self.forked_pid[rank] = <pid_t>reply
+                    self.forked_foreign[rank] = True
+        finally:
+            self._leave()
+        if rc != 0:
+            raise OSError(err, strerror(err).decode())
+        return reply
+
     def drop_unstarted(self):
         """Close everything prepared for ranks that were never adopted."""
         self._ours()
         self._unstage()
-        with nogil:
-            torchmp_group_drop_unstarted(self.g)
+        self._enter()
+        try:
+            with nogil:
+                torchmp_group_drop_unstarted(self.g)
+        finally:
+            self._leave()
 
     def take_return(self, int rank):
         """The bytes rank wrote to its return channel so far (then forgotten)."""
@@ -597,6 +728,12 @@ cdef class Group:
             return PyBytes_FromStringAndSize(data, <Py_ssize_t>n)
         finally:
             free(data)
+
+    def version(self):
+        """The group's change counter (it moves with every recorded exit)."""
+        if self.g == NULL:
+            raise ValueError("worker group is closed")
+        return torchmp_group_snapshot(self.g, NULL, 0)
 
     def snapshot(self):
         """(version, [per-rank tuples]) taken atomically from the I/O thread.
@@ -626,46 +763,91 @@ cdef class Group:
             free(info)
         return version, ranks
 
-    def wait(self, double timeout):
-        """Block (GIL released) until an exit is recorded or timeout seconds
-        pass (negative: forever).  Returns True if woken by an exit.  Signal
-        handlers run while waiting, so SignalException can interrupt it."""
+    def wait(self, double timeout, uint64_t known_version):
+        """Block (GIL released) until the group's change counter is no longer
+        known_version (the version of the caller's last snapshot), the group
+        is released, or timeout seconds pass (negative: forever).  Returns
+        True for a change.  Signal handlers run while waiting, so
+        SignalException can interrupt it; a handler may even close the
+        context meanwhile (the wait then returns True)."""
         cdef int rc, err
         cdef int watch_exits = 1
         cdef int64_t wait_ns
         import time
-        self._ours()
-        deadline = None if timeout < 0 else time.monotonic() + timeout
-        while True:
-            if deadline is None:
-                wait_ns = -1
-            else:
-                remaining = deadline - time.monotonic()
-                wait_ns = <int64_t>(min(remaining, 1e9) * 1e9) if remaining > 0 else 0
-            with nogil:
-                rc = torchmp_group_wait(self.g, wait_ns, &watch_exits)
-                err = errno
-            if rc < 0 and err != EINTR:
-                raise OSError(err, strerror(err).decode())
-            if rc > 0:
-                torchmp_group_drain_notify(self.g)
-                return True
-            # A signal may have arrived while the wait did not sleep.
-            PyErr_CheckSignals()
-            if rc == 0 and (wait_ns == 0 or deadline is not None and time.monotonic() >= deadline):
-                return False
+        self._enter()
+        try:
+            deadline = None if timeout < 0 else time.monotonic() + timeout
+            while True:
+                if self.release_pending:
+                    return True
+                if deadline is None:
+                    wait_ns = -1
+                else:
+                    remaining = deadline - time.monotonic()
+                    wait_ns = <int64_t>(min(remaining, 1e9) * 1e9) if remaining > 0 else 0
+                with nogil:
+                    rc = torchmp_group_wait(self.g, wait_ns, known_version, &watch_exits)
+                    err = errno
+                if rc < 0 and err != EINTR:
+                    raise OSError(err, strerror(err).decode())
+                if rc > 0:
+                    return True
+                # A signal may have arrived while the wait did not sleep.
+                PyErr_CheckSignals()
+                if rc == 0 and (wait_ns == 0 or deadline is not None and time.monotonic() >= deadline):
+                    return False
+        finally:
+            self._leave()
 
-    def killpg(self, int sig, bint include_exited=False):
-        """Send sig to the process group of every started rank."""
+    def killpg(self, int sig):
+        """Send sig to the process group of every rank whose group id is
+        still pinned (its leader running, or a zombie not reaped yet)."""
         self._ours()
-        check(torchmp_group_killpg(self.g, sig, include_exited), b"killpg")
+        check(torchmp_group_killpg(self.g, sig), b"killpg")
+
+    def busy(self):
+        """The ranks whose process group still has a living process: the
+        leader, or anything left in the group after the leader exited."""
+        cdef unsigned char *flags
+        cdef int i, n
+        self._ours()
+        flags = <unsigned char *>calloc(self.nprocs if self.nprocs else 1, 1)
+        if flags == NULL:
+            raise MemoryError()
+        try:
+            n = torchmp_group_busy(self.g, flags)
+            check(n, b"scanning the workers' process groups")
+            return [i for i in range(self.nprocs) if flags[i]]
+        finally:
+            free(flags)
+
+    def reap(self):
+        """torchmp is done signalling: reap every exited rank's zombie.
+        Returns the pids of forkserver workers, whose zombies the
+        forkserver holds until it is told to let them go."""
+        cdef pid_t *foreign
+        cdef int i, n
+        self._ours()
+        foreign = <pid_t *>calloc(self.nprocs if self.nprocs else 1, sizeof(pid_t))
+        if foreign == NULL:
+            raise MemoryError()
+        try:
+            n = torchmp_group_reap(self.g, foreign, self.nprocs)
+            check(n, b"reaping")
+            return [foreign[i] for i in range(n)]
+        finally:
+            free(foreign)
 
     def finish_streams(self):
         """Drain buffered output, flush partial lines and close every tee
         pipe and log file of the group."""
         self._ours()
-        with nogil:
-            torchmp_group_finish_streams(self.g)
+        self._enter()
+        try:
+            with nogil:
+                torchmp_group_finish_streams(self.g)
+        finally:
+            self._leave()
 
 
 def frame(int fd, bytes prefix not None, list chunks, Py_ssize_t max_line=256 * 1024, Py_ssize_t scratch=4096,

@@ -32,6 +32,8 @@ cdef extern from "torchmp.h" nogil:
 
     const char *torchmp_step_name(int step)
     int torchmp_child_setup(const torchmp_spawn_args *a, int keep_fd, int close_others)
+    int torchmp_forkserver_request(int sock, const char *msg, size_t len, const int *fds, int nfds,
+                                   int64_t timeout_ns, int64_t *reply)
 
     ctypedef struct torchmp_needles:
         size_t count
@@ -114,8 +116,15 @@ cdef extern from "torchmp.h" nogil:
     int torchmp_group_drop_unstarted(torchmp_group *g)
     char *torchmp_group_take_capture(torchmp_group *g, int rank, size_t *len)
     uint64_t torchmp_group_snapshot(torchmp_group *g, torchmp_proc_info *out, int n)
-    int torchmp_group_wait(torchmp_group *g, int64_t timeout_ns, int *watch_exits) nogil
-    void torchmp_group_drain_notify(torchmp_group *g)
-    int torchmp_group_killpg(torchmp_group *g, int sig, int include_exited)
+    int torchmp_group_wait(torchmp_group *g, int64_t timeout_ns, uint64_t known_version, int *watch_exits) nogil
+    void torchmp_group_interrupt(torchmp_group *g)
+    int torchmp_group_killpg(torchmp_group *g, int sig)
+    int torchmp_group_busy(torchmp_group *g, unsigned char *busy)
+    int torchmp_group_reap(torchmp_group *g, pid_t *foreign, int cap)
+    int torchmp_collect_exit(pid_t pid, int *status, int64_t *utime_ns, int64_t *stime_ns, int64_t *maxrss_kb)
+    int torchmp_keeper_start()
+    void torchmp_keeper_forget()
+    pid_t torchmp_keeper_pid()
+    int torchmp_pgroups_alive(const pid_t *pgids, int n, unsigned char *alive)
     int torchmp_group_finish_streams(torchmp_group *g)
     void torchmp_group_release(torchmp_group *g)

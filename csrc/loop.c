@@ -91,7 +91,12 @@ struct torchmp_proc {
     int foreign;               /* a forkserver's child: exits come as a trailer */
     int foreign_gone;          /* its pidfd fired: the trailer is on its way */
     int exiting;               /* proc_record_exit is running for it */
-    /* fields below `mu` guards, Python reads them */
+    /* fields below `mu` guards */
+    /* Exited but not reaped yet: the zombie (ours, or the forkserver's until
+     * Python releases it) pins the pid and so the process group id, which
+     * therefore cannot belong to anybody else while torchmp may signal it. */
+    int unreaped;
+    int keeper_slot;           /* the group's slot in the keeper's table, 0: none */
     torchmp_proc_info info;
     stream streams[STREAM_COUNT];
     torchmp_group *group;
@@ -107,7 +112,10 @@ struct torchmp_group {
     int filtered_errno[2];
     int console_fd[2];         /* 1 and 2, or -1 once broken for this group */
     int console_errno[2];
-    int notify_r, notify_w;
+    /* Callers sleeping in torchmp_group_wait, each on a wake fd of its own:
+     * a shared fd drained by one waiter could hide an exit from another. */
+    struct group_waiter *waiters;  /* mu */
+    int interrupted;           /* mu: torchmp_group_interrupt was called */
     int has_pipes;             /* caller thread: some stream is a pipe the loop drains */
     uint64_t version;          /* mu */
     int released;              /* loop thread */
@@ -116,6 +124,11 @@ struct torchmp_group {
     int linked;                /* loop thread: on L->groups */
     torchmp_group *next;
 };
+
+typedef struct group_waiter {
+    int wake_r, wake_w;
+    struct group_waiter *next;
+} group_waiter;
 
 enum cmd_type {
     CMD_SPAWN = 1, CMD_FINISH = 2, CMD_RELEASE = 3, CMD_PREPARE = 4, CMD_ADOPT = 5, CMD_DROP_UNSTARTED = 6
@@ -445,9 +458,11 @@ static void stream_free(stream *s)
 
 /* ---- exits -------------------------------------------------------------- */
 
-static void group_notify(torchmp_group *g)
+/* Wake every caller sleeping in torchmp_group_wait.  Caller holds mu. */
+static void group_notify_locked(torchmp_group *g)
 {
-    notify_post(g->notify_w);
+    for (group_waiter *w = g->waiters; w != NULL; w = w->next)
+        notify_post(w->wake_w);
 }
 
 static int64_t timeval_ns(struct timeval tv)
@@ -455,10 +470,13 @@ static int64_t timeval_ns(struct timeval tv)
     return (int64_t)tv.tv_sec * 1000000000LL + (int64_t)tv.tv_usec * 1000;
 }
 
+static void proc_reap_locked(torchmp_proc *p);
+
 /* Record a rank's exit: first everything the worker wrote before it exited
- * goes out, then the state flips and Python is woken. */
+ * goes out, then the state flips and Python is woken.  unreaped: the zombie
+ * is still there (see torchmp_proc.unreaped). */
 static void proc_record_exit(torchmp_loop *L, torchmp_proc *p, int status, int64_t utime_ns, int64_t stime_ns,
-                             int64_t maxrss_kb, int status_lost)
+                             int64_t maxrss_kb, int status_lost, int unreaped)
 {
     int64_t now_mono = clock_ns(CLOCK_MONOTONIC);
     int64_t now_real = clock_ns(CLOCK_REALTIME);
@@ -481,34 +499,117 @@ static void proc_record_exit(torchmp_loop *L, torchmp_proc *p, int status, int64
     p->info.maxrss_kb = maxrss_kb;
     p->info.out_log_errno = p->streams[STREAM_OUT].log_errno;
     p->info.err_log_errno = p->streams[STREAM_ERR].log_errno;
+    p->unreaped = unreaped;
+    /* Nobody will signal this group again: a released group's exits, or a
+     * pid whose zombie is already gone (it may be recycled at any time). */
+    if (p->group->released || !unreaped)
+        proc_reap_locked(p);
     p->group->version++;
+    group_notify_locked(p->group);
     pthread_mutex_unlock(&L->mu);
     p->group->running--;
     p->exiting = 0;
-    group_notify(p->group);
 }
 
-/* Reap pid if it has exited.  Returns 1 when reaped, 0 if still running. */
-static int proc_try_reap(torchmp_loop *L, torchmp_proc *p)
+/* The exit status of a worker in wait(2)'s encoding, from waitid's. */
+static int siginfo_wait_status(const siginfo_t *si)
+{
+    switch (si->si_code) {
+    case CLD_EXITED:
+        return (si->si_status & 0xff) << 8;
+    case CLD_KILLED:
+        return si->si_status & 0x7f;
+    case CLD_DUMPED:
+        return (si->si_status & 0x7f) | 0x80;
+    default:
+        return 255 << 8;
+    }
+}
+
+/* waitid(P_PID, pid, WEXITED | WNOHANG | WNOWAIT) with the zombie's rusage:
+ * Linux's system call takes a fifth argument that libc's wrapper hides, and
+ * fills it (self + waited-for children, as wait4 would) without reaping. */
+static int waitid_keep(pid_t pid, siginfo_t *si, struct rusage *ru)
+{
+#ifdef TORCHMP_HAVE_PIDFD
+    return (int)syscall(SYS_waitid, P_PID, (id_t)pid, si, WEXITED | WNOHANG | WNOWAIT, ru);
+#else
+    (void)ru; /* filled in when the zombie is reaped (proc_reap_locked) */
+    return waitid(P_PID, (id_t)pid, si, WEXITED | WNOHANG | WNOWAIT);
+#endif
+}
+
+int torchmp_collect_exit(pid_t pid, int *status, int64_t *utime_ns, int64_t *stime_ns, int64_t *maxrss_kb)
 {
     struct rusage ru;
-    int status = 0;
-    pid_t r;
+    siginfo_t si;
+    int r;
 
     memset(&ru, 0, sizeof(ru));
+    memset(&si, 0, sizeof(si));
     do {
-        r = wait4(p->info.pid, &status, WNOHANG, &ru);
+        r = waitid_keep(pid, &si, &ru);
     } while (r < 0 && errno == EINTR);
-    if (r == 0)
+    if (r < 0)
+        return -1;
+    if (si.si_pid == 0)
         return 0;
+    *status = siginfo_wait_status(&si);
+    *utime_ns = timeval_ns(ru.ru_utime);
+    *stime_ns = timeval_ns(ru.ru_stime);
+    *maxrss_kb = ru.ru_maxrss;
+    return 1;
+}
+
+/* Record pid's exit if it has exited, keeping the zombie.  Returns 1 when
+ * recorded, 0 if still running. */
+static int proc_try_collect(torchmp_loop *L, torchmp_proc *p)
+{
+    int status = 0;
+    int64_t utime = 0, stime = 0, maxrss = 0;
+    int r = torchmp_collect_exit(p->info.pid, &status, &utime, &stime, &maxrss);
+
     if (r < 0) {
         /* ECHILD: somebody else in this process reaped our worker (a
-         * waitpid(-1) elsewhere).  The status is lost. */
-        proc_record_exit(L, p, 255 << 8, 0, 0, 0, 1);
+         * waitpid(-1) elsewhere).  The status is lost, and so is the pin. */
+        proc_record_exit(L, p, 255 << 8, 0, 0, 0, 1, 0);
         return 1;
     }
-    proc_record_exit(L, p, status, timeval_ns(ru.ru_utime), timeval_ns(ru.ru_stime), ru.ru_maxrss, 0);
+    if (r == 0)
+        return 0;
+    proc_record_exit(L, p, status, utime, stime, maxrss, 0, 1);
     return 1;
+}
+
+/* Let the zombie go: after this the pid and the process group id may be
+ * recycled, so nothing may signal them again.  A forkserver's worker is
+ * the forkserver's to reap: Python tells it (torchmp_group_reap).  Caller
+ * holds mu. */
+static void proc_reap_locked(torchmp_proc *p)
+{
+    torchmp_keeper_remove(p->keeper_slot);
+    p->keeper_slot = 0;
+    if (!p->unreaped)
+        return;
+    p->unreaped = 0;
+    if (!p->foreign) {
+        struct rusage ru;
+        int status;
+        pid_t r;
+        memset(&ru, 0, sizeof(ru));
+        do {
+            r = wait4(p->info.pid, &status, WNOHANG, &ru);
+        } while (r < 0 && errno == EINTR);
+#ifndef TORCHMP_HAVE_PIDFD
+        if (r == p->info.pid) {
+            p->info.utime_ns = timeval_ns(ru.ru_utime);
+            p->info.stime_ns = timeval_ns(ru.ru_stime);
+            p->info.maxrss_kb = ru.ru_maxrss;
+        }
+#else
+        (void)r;
+#endif
+    }
 }
 
 /* A forkserver worker is not our child: its exit status arrives as a
@@ -526,9 +627,9 @@ static void proc_foreign_exit(torchmp_loop *L, torchmp_proc *p, int at_eof)
     if (p->exiting || p->info.state != TORCHMP_PROC_RUNNING)
         return;
     /* Bytes that merely look like a trailer count only once the worker is
-     * gone (the forkserver writes the trailer after reaping it).  Without a
-     * pidfd (poll backend) ask the kernel whether the pid still exists. */
-    if (!at_eof && !p->foreign_gone && !(kill(p->info.pid, 0) != 0 && errno == ESRCH))
+     * gone (the forkserver writes the trailer once it has exited).  Without
+     * a pidfd (poll backend) ask whether the pid is gone or a zombie. */
+    if (!at_eof && !p->foreign_gone && !torchmp_pid_exited(p->info.pid))
         return;
     pthread_mutex_lock(&L->mu);
     if (s->capture_len >= sizeof(t) &&
@@ -539,9 +640,9 @@ static void proc_foreign_exit(torchmp_loop *L, torchmp_proc *p, int at_eof)
     }
     pthread_mutex_unlock(&L->mu);
     if (found)
-        proc_record_exit(L, p, (int)t.wait_status, t.utime_ns, t.stime_ns, t.maxrss_kb, 0);
+        proc_record_exit(L, p, (int)t.wait_status, t.utime_ns, t.stime_ns, t.maxrss_kb, 0, 1);
     else if (at_eof)
-        proc_record_exit(L, p, SIGKILL, 0, 0, 0, 1);
+        proc_record_exit(L, p, SIGKILL, 0, 0, 0, 1, 0);
 }
 
 static void reap_scan(torchmp_loop *L)
@@ -549,7 +650,7 @@ static void reap_scan(torchmp_loop *L)
     for (torchmp_group *g = L->groups; g != NULL; g = g->next) {
         for (int i = 0; i < g->nprocs && g->running > 0; i++) {
             if (g->procs[i].info.state == TORCHMP_PROC_RUNNING && !g->procs[i].foreign)
-                (void)proc_try_reap(L, &g->procs[i]);
+                (void)proc_try_collect(L, &g->procs[i]);
         }
     }
 }
@@ -683,6 +784,7 @@ static int rank_adopt(torchmp_loop *L, torchmp_proc *p, pid_t pid, int foreign, 
     p->info.pid = pid;
     p->info.state = TORCHMP_PROC_RUNNING;
     p->info.start_mono_ns = start;
+    p->keeper_slot = torchmp_keeper_add(pid);
     pthread_mutex_unlock(&L->mu);
     p->group->running++;
     if (foreign) {
@@ -816,7 +918,6 @@ static void group_free(torchmp_group *g)
         if (g->has_needles[w])
             needles_free(&g->needles[w]);
     }
-    notify_close(&g->notify_r, &g->notify_w);
     free(g->procs);
     free(g);
 }
@@ -921,6 +1022,13 @@ static void run_commands(torchmp_loop *L)
             break;
         case CMD_RELEASE:
             c->group->released = 1;
+            /* Python signals the group no more: let its zombies go. */
+            pthread_mutex_lock(&L->mu);
+            for (int i = 0; i < c->group->nprocs; i++) {
+                if (c->group->procs[i].info.state == TORCHMP_PROC_EXITED)
+                    proc_reap_locked(&c->group->procs[i]);
+            }
+            pthread_mutex_unlock(&L->mu);
             if (!c->group->linked)
                 group_free(c->group); /* never spawned: nothing to watch */
             free(c);
@@ -946,7 +1054,7 @@ static void proc_exit_event(torchmp_loop *L, torchmp_proc *p)
         stream_pump(L, &p->streams[STREAM_RET], -1);
         proc_foreign_exit(L, p, 0);
     } else {
-        (void)proc_try_reap(L, p);
+        (void)proc_try_collect(L, p);
     }
 }
 
@@ -1039,6 +1147,10 @@ static torchmp_loop *loop_create(void)
     L->filtered_scratch = malloc(SCRATCH_SIZE);
     if (L->readbuf == NULL || L->console_scratch == NULL || L->filtered_scratch == NULL)
         goto fail;
+    /* Before the I/O thread exists: one thread fewer to fork.  Without a
+     * keeper (fork failed) workers still die with the launcher by PDEATHSIG;
+     * only their own children would be left. */
+    (void)torchmp_keeper_start();
     if (notify_open(&L->wake_r, &L->wake_w) != 0)
         goto fail;
     L->poller = torchmp_poller_new(L->backend);
@@ -1189,7 +1301,6 @@ torchmp_group *torchmp_group_new(int nprocs,
         return NULL;
     g->loop = L;
     g->nprocs = nprocs;
-    g->notify_r = g->notify_w = -1;
     g->filtered_fd[0] = g->filtered_fd[1] = -1;
     g->console_fd[0] = 1;
     g->console_fd[1] = 2;
@@ -1223,8 +1334,6 @@ torchmp_group *torchmp_group_new(int nprocs,
                 goto fail;
         }
     }
-    if (notify_open(&g->notify_r, &g->notify_w) != 0)
-        goto fail;
 
     /* The loop thread links the group into its list with the first spawn;
      * the group list is loop-thread state. */
@@ -1392,65 +1501,126 @@ uint64_t torchmp_group_snapshot(torchmp_group *g, torchmp_proc_info *out, int n)
  * microseconds; past this the caller sleeps on the notify fd alone. */
 #define EXIT_SPIN_NS 500000
 
-int torchmp_group_wait(torchmp_group *g, int64_t timeout_ns, int *watch_exits)
+/* Whether a waiter that last saw `known` has something new.  Caller holds mu. */
+static int group_changed_locked(torchmp_group *g, uint64_t known)
+{
+    return g->version != known || g->interrupted;
+}
+
+static void waiter_unlink_locked(torchmp_group *g, group_waiter *me)
+{
+    for (group_waiter **link = &g->waiters; *link != NULL; link = &(*link)->next) {
+        if (*link == me) {
+            *link = me->next;
+            return;
+        }
+    }
+}
+
+int torchmp_group_wait(torchmp_group *g, int64_t timeout_ns, uint64_t known_version, int *watch_exits)
 {
     torchmp_loop *L = g->loop;
     int exits_fd = *watch_exits && L->exits != NULL ? torchmp_poller_fd(L->exits) : -1;
     int64_t start = exits_fd >= 0 ? clock_ns(CLOCK_MONOTONIC) : 0;
     int64_t now, until;
-    int rc = torchmp_wait_readable(g->notify_r, exits_fd, timeout_ns);
+    group_waiter me;
+    int rc, changed;
 
-    if (rc <= 0 || (rc & 1))
-        return rc < 0 ? -1 : rc & 1;
-    /* Some worker exited (maybe of another group): the I/O thread, woken
-     * at the same moment, is recording it.  Yield to it rather than sleep:
-     * a second wake-up costs as much as the whole record. */
-    now = clock_ns(CLOCK_MONOTONIC);
-    until = now + EXIT_SPIN_NS;
-    if (timeout_ns >= 0 && start + timeout_ns < until)
-        until = start + timeout_ns;
-    while (now < until) {
-        sched_yield();
-        rc = torchmp_wait_readable(g->notify_r, -1, 0);
-        if (rc != 0)
-            return rc < 0 ? -1 : 1;
-        now = clock_ns(CLOCK_MONOTONIC);
+    pthread_mutex_lock(&L->mu);
+    if (group_changed_locked(g, known_version)) {
+        pthread_mutex_unlock(&L->mu);
+        return 1;
     }
-    /* Not ours, or still on its way (a forkserver worker's trailer, a busy
-     * I/O thread).  The exits set stays readable until the I/O thread has
-     * been through it: watching it again this call would spin. */
-    *watch_exits = 0;
-    return 0;
+    pthread_mutex_unlock(&L->mu);
+    if (notify_open(&me.wake_r, &me.wake_w) != 0)
+        return -1;
+    pthread_mutex_lock(&L->mu);
+    changed = group_changed_locked(g, known_version);
+    if (!changed) {
+        me.next = g->waiters;
+        g->waiters = &me;
+    }
+    pthread_mutex_unlock(&L->mu);
+    if (changed) {
+        notify_close(&me.wake_r, &me.wake_w);
+        return 1;
+    }
+
+    rc = torchmp_wait_readable(me.wake_r, exits_fd, timeout_ns);
+    if (rc > 0 && !(rc & 1)) {
+        /* Some worker exited (maybe of another group): the I/O thread, woken
+         * at the same moment, is recording it.  Yield to it rather than
+         * sleep: a second wake-up costs as much as the whole record. */
+        now = clock_ns(CLOCK_MONOTONIC);
+        until = now + EXIT_SPIN_NS;
+        if (timeout_ns >= 0 && start + timeout_ns < until)
+            until = start + timeout_ns;
+        rc = 0;
+        while (now < until) {
+            sched_yield();
+            rc = torchmp_wait_readable(me.wake_r, -1, 0);
+            if (rc != 0)
+                break;
+            now = clock_ns(CLOCK_MONOTONIC);
+        }
+        /* Not ours, or still on its way (a forkserver worker's trailer, a
+         * busy I/O thread).  The exits set stays readable until the I/O
+         * thread has been through it: watching it again this call would
+         * spin. */
+        if (rc == 0)
+            *watch_exits = 0;
+    }
+    {
+        int saved = errno;
+        pthread_mutex_lock(&L->mu);
+        waiter_unlink_locked(g, &me);
+        changed = group_changed_locked(g, known_version);
+        pthread_mutex_unlock(&L->mu);
+        notify_close(&me.wake_r, &me.wake_w);
+        errno = saved;
+    }
+    if (changed)
+        return 1;
+    return rc < 0 ? -1 : 0;
 }
 
-void torchmp_group_drain_notify(torchmp_group *g)
+void torchmp_group_interrupt(torchmp_group *g)
 {
-    notify_drain(g->notify_r);
+    torchmp_loop *L = g->loop;
+    pthread_mutex_lock(&L->mu);
+    g->interrupted = 1;
+    group_notify_locked(g);
+    pthread_mutex_unlock(&L->mu);
 }
 
-int torchmp_group_killpg(torchmp_group *g, int sig, int include_exited)
+/* Whether torchmp may still signal rank p's process group: its leader is
+ * running, or is a zombie nobody has reaped.  Caller holds mu. */
+static int proc_pinned_locked(const torchmp_proc *p)
+{
+    return p->info.pid > 0 &&
+           (p->info.state == TORCHMP_PROC_RUNNING || (p->info.state == TORCHMP_PROC_EXITED && p->unreaped));
+}
+
+int torchmp_group_killpg(torchmp_group *g, int sig)
 {
     torchmp_loop *L = g->loop;
     int first_errno = 0;
     if (!group_is_ours(g))
         return -1;
+    /* Under mu, so no reap can slip in between the pinning check and the
+     * kill: a group id is signalled only while its leader's pid is ours. */
+    pthread_mutex_lock(&L->mu);
     for (int i = 0; i < g->nprocs; i++) {
-        int state;
-        pid_t pid;
-        pthread_mutex_lock(&L->mu);
-        state = g->procs[i].info.state;
-        pid = g->procs[i].info.pid;
-        pthread_mutex_unlock(&L->mu);
-        if (state == TORCHMP_PROC_UNSTARTED || pid <= 0)
-            continue;
-        if (state == TORCHMP_PROC_EXITED && !include_exited)
+        torchmp_proc *p = &g->procs[i];
+        pid_t pid = p->info.pid;
+        if (!proc_pinned_locked(p))
             continue;
         /* The worker calls setsid(), so its pid is its process group.  A
          * worker forked a moment ago may not have got there yet: then the
          * group does not exist, and the signal goes to the worker itself. */
         if (kill(-pid, sig) != 0) {
             int err = errno;
-            if (err == ESRCH && state == TORCHMP_PROC_RUNNING && kill(pid, sig) != 0)
+            if (err == ESRCH && p->info.state == TORCHMP_PROC_RUNNING && kill(pid, sig) != 0)
                 err = errno;
             else if (err == ESRCH)
                 err = 0;
@@ -1458,11 +1628,75 @@ int torchmp_group_killpg(torchmp_group *g, int sig, int include_exited)
                 first_errno = err;
         }
     }
+    pthread_mutex_unlock(&L->mu);
     if (first_errno != 0) {
         errno = first_errno;
         return -1;
     }
     return 0;
+}
+
+int torchmp_group_busy(torchmp_group *g, unsigned char *busy)
+{
+    torchmp_loop *L = g->loop;
+    pid_t *pgids;
+    int *ranks;
+    unsigned char *alive;
+    int n = 0, count = 0;
+
+    pgids = malloc(((size_t)g->nprocs + 1) * sizeof(pid_t));
+    ranks = malloc(((size_t)g->nprocs + 1) * sizeof(int));
+    alive = malloc((size_t)g->nprocs + 1);
+    if (pgids == NULL || ranks == NULL || alive == NULL) {
+        free(pgids);
+        free(ranks);
+        free(alive);
+        errno = ENOMEM;
+        return -1;
+    }
+    pthread_mutex_lock(&L->mu);
+    for (int i = 0; i < g->nprocs; i++) {
+        torchmp_proc *p = &g->procs[i];
+        busy[i] = p->info.state == TORCHMP_PROC_RUNNING;
+        count += busy[i];
+        if (!busy[i] && proc_pinned_locked(p)) {
+            pgids[n] = p->info.pid;
+            ranks[n++] = i;
+        }
+    }
+    pthread_mutex_unlock(&L->mu);
+    /* A group whose leader is a zombie: does anything else still live in
+     * it?  Without /proc (other systems) the answer is "no": the grace
+     * period then covers the leaders only. */
+    if (n > 0 && torchmp_pgroups_alive(pgids, n, alive) > 0) {
+        for (int j = 0; j < n; j++) {
+            busy[ranks[j]] = alive[j];
+            count += alive[j];
+        }
+    }
+    free(pgids);
+    free(ranks);
+    free(alive);
+    return count;
+}
+
+int torchmp_group_reap(torchmp_group *g, pid_t *foreign, int cap)
+{
+    torchmp_loop *L = g->loop;
+    int n = 0;
+    if (!group_is_ours(g))
+        return -1;
+    pthread_mutex_lock(&L->mu);
+    for (int i = 0; i < g->nprocs; i++) {
+        torchmp_proc *p = &g->procs[i];
+        if (p->info.state != TORCHMP_PROC_EXITED || !p->unreaped)
+            continue;
+        if (p->foreign && n < cap)
+            foreign[n++] = p->info.pid;
+        proc_reap_locked(p);
+    }
+    pthread_mutex_unlock(&L->mu);
+    return n;
 }
 
 int torchmp_group_finish_streams(torchmp_group *g)

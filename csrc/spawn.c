@@ -18,6 +18,8 @@
 #include <limits.h>
 #include <signal.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -365,4 +367,83 @@ int torchmp_spawn(const torchmp_spawn_args *a, pid_t *pid_out, torchmp_exec_erro
     }
     errno = err->errnum;
     return -1;
+}
+
+/* ---- forkserver requests ------------------------------------------------ */
+
+int torchmp_forkserver_request(int sock, const char *msg, size_t len, const int *fds, int nfds,
+                               int64_t timeout_ns, int64_t *reply)
+{
+    struct msghdr mh;
+    struct iovec iov;
+    union {
+        char buf[CMSG_SPACE(8 * sizeof(int))];
+        struct cmsghdr align;
+    } control;
+    unsigned char answer[8];
+    size_t got = 0, sent = 0;
+    ssize_t n;
+
+    if (nfds < 0 || nfds > 8) {
+        errno = EINVAL;
+        return -1;
+    }
+    memset(&mh, 0, sizeof(mh));
+    memset(&control, 0, sizeof(control));
+    iov.iov_base = (void *)msg;
+    iov.iov_len = len;
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    if (nfds > 0) {
+        struct cmsghdr *cm;
+        mh.msg_control = control.buf;
+        mh.msg_controllen = CMSG_SPACE((size_t)nfds * sizeof(int));
+        cm = CMSG_FIRSTHDR(&mh);
+        cm->cmsg_level = SOL_SOCKET;
+        cm->cmsg_type = SCM_RIGHTS;
+        cm->cmsg_len = CMSG_LEN((size_t)nfds * sizeof(int));
+        memcpy(CMSG_DATA(cm), fds, (size_t)nfds * sizeof(int));
+    }
+    /* The fds ride with the first byte; the rest of a long message follows. */
+    while (sent < len) {
+        do {
+            n = sendmsg(sock, &mh, MSG_NOSIGNAL);
+        } while (n < 0 && errno == EINTR);
+        if (n < 0)
+            return -1;
+        sent += (size_t)n;
+        iov.iov_base = (char *)msg + sent;
+        iov.iov_len = len - sent;
+        mh.msg_control = NULL;
+        mh.msg_controllen = 0;
+    }
+    while (got < sizeof(answer)) {
+        int rc = torchmp_wait_readable(sock, -1, timeout_ns);
+        if (rc < 0 && errno == EINTR)
+            continue; /* the caller holds its signals until the pid is recorded */
+        if (rc < 0)
+            return -1;
+        if (rc == 0) {
+            errno = ETIMEDOUT;
+            return -1;
+        }
+        do {
+            n = read(sock, answer + got, sizeof(answer) - got);
+        } while (n < 0 && errno == EINTR);
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+            continue;
+        if (n <= 0) {
+            if (n == 0)
+                errno = EPIPE;
+            return -1;
+        }
+        got += (size_t)n;
+    }
+    {
+        uint64_t v = 0;
+        for (int i = 7; i >= 0; i--)
+            v = (v << 8) | answer[i]; /* little-endian on the wire */
+        *reply = (int64_t)v;
+    }
+    return 0;
 }

@@ -5,6 +5,8 @@
  *   framer.c  per-stream line framing for the console (prefix + whole lines)
  *   poller.c  epoll (Linux) or poll() readiness backends behind one interface
  *   loop.c    the process-wide I/O thread: tee pipes, pidfds, reaping, commands
+ *   keeper.c  the process that kills the workers' groups if the launcher dies
+ *   procscan.c which process groups still have a living member (/proc)
  *
  * Conventions (psutil style): functions return 0 / a value on success and -1
  * with errno set on failure; policy lives in Python (torchmp/api.py); the
@@ -99,6 +101,14 @@ void torchmp_signals_to_reset(sigset_t *out);
  * pipe then FD_CLOEXEC on both ends, which is not atomic: a fork elsewhere in
  * the process in between may inherit the pair.  0, or -1 with errno. */
 int torchmp_pipe_cloexec(int fds[2]);
+
+/* Send one request to a forkserver over the Unix socket sock (nfds <= 8 fds
+ * attached) and read its 8-byte little-endian reply into *reply, waiting at
+ * most timeout_ns for it.  In C so that no Python signal handler can run
+ * between the reply's arrival and the caller recording the pid.  0, or -1
+ * with errno (ETIMEDOUT: no reply in time; EPIPE: the server is gone). */
+int torchmp_forkserver_request(int sock, const char *msg, size_t len, const int *fds, int nfds,
+                               int64_t timeout_ns, int64_t *reply);
 
 /* Human-readable name of a spawn step, for exception messages. */
 const char *torchmp_step_name(int step);
@@ -291,18 +301,37 @@ char *torchmp_group_take_capture(torchmp_group *g, int rank, size_t *len);
 /* Copy the per-rank state; returns the group's change counter. */
 uint64_t torchmp_group_snapshot(torchmp_group *g, torchmp_proc_info *out, int n);
 
-/* Sleep until a rank's exit is recorded or timeout_ns pass (negative:
- * forever).  Returns 1 when one was (drain with torchmp_group_drain_notify
- * before reading a snapshot), 0 otherwise, -1 with errno (EINTR: a signal;
- * call again).  *watch_exits starts at 1 for each wait and is cleared when
- * watching the workers' exits directly stops paying off; keep it across the
- * calls of one wait. */
-int torchmp_group_wait(torchmp_group *g, int64_t timeout_ns, int *watch_exits);
-void torchmp_group_drain_notify(torchmp_group *g);
+/* Sleep until the group's change counter differs from known_version (the
+ * one of the caller's last snapshot), torchmp_group_interrupt is called, or
+ * timeout_ns pass (negative: forever).  Returns 1 for a change, 0 otherwise
+ * (it may return 0 early: compare the clock), -1 with errno (EINTR: a
+ * signal; call again).  Any number of threads may wait at once.
+ * *watch_exits starts at 1 for each wait and is cleared when watching the
+ * workers' exits directly stops paying off; keep it across the calls of one
+ * wait. */
+int torchmp_group_wait(torchmp_group *g, int64_t timeout_ns, uint64_t known_version, int *watch_exits);
+/* Whether child pid has exited, without reaping it: 1 with its wait(2)-style
+ * status and rusage filled in (on Linux; zeros elsewhere), 0 if it runs,
+ * -1 with errno (ECHILD: not a child, or reaped by somebody else). */
+int torchmp_collect_exit(pid_t pid, int *status, int64_t *utime_ns, int64_t *stime_ns, int64_t *maxrss_kb);
 
-/* Signal the process group of every started rank (include_exited: also the
- * groups of ranks whose leader already exited, to reach grandchildren). */
-int torchmp_group_killpg(torchmp_group *g, int sig, int include_exited);
+/* Wake every waiter for good (the group is being closed). */
+void torchmp_group_interrupt(torchmp_group *g);
+
+/* Signal the process group of every rank whose group id is still pinned: its
+ * leader runs, or is a zombie torchmp has not reaped.  A reaped leader's
+ * group is never signalled: its id may belong to somebody else by then. */
+int torchmp_group_killpg(torchmp_group *g, int sig);
+
+/* busy[rank] = 1 if rank's process group still has a living process (its
+ * leader, or -- the leader exited -- anything else in it).  Returns the
+ * number of busy ranks, or -1 with errno. */
+int torchmp_group_busy(torchmp_group *g, unsigned char *busy);
+
+/* torchmp will not signal the group again: reap every exited rank's zombie.
+ * Forkserver workers are the forkserver's to reap: up to cap of their pids
+ * go to foreign[] for the caller to hand back; returns their count. */
+int torchmp_group_reap(torchmp_group *g, pid_t *foreign, int cap);
 
 /* Drain what is readable now, flush partial lines and close every stream of
  * the group (grandchildren holding a pipe no longer keep it alive). */
@@ -314,5 +343,24 @@ void torchmp_group_release(torchmp_group *g);
 
 /* Number of fds the loop holds (for tests of the fd budget). */
 int torchmp_loop_fd_count(void);
+
+/* ---------------------------------------------------------------------------
+ * keeper.c: one process per launcher that SIGKILLs the registered process
+ * groups when the launcher dies (the EOF of a pipe only the launcher holds).
+ */
+int torchmp_keeper_start(void);          /* once per process; 0 or -1 with errno */
+void torchmp_keeper_forget(void);        /* in a forked child: let go of the parent's keeper */
+pid_t torchmp_keeper_pid(void);          /* 0 if none */
+int torchmp_keeper_add(pid_t pgid);      /* a slot (0: not covered); caller serialises */
+void torchmp_keeper_remove(int slot);
+
+/* ---------------------------------------------------------------------------
+ * procscan.c
+ */
+/* alive[i] = 1 if a process other than a zombie has process group pgids[i];
+ * one pass over /proc.  Returns how many are alive, -1 with errno. */
+int torchmp_pgroups_alive(const pid_t *pgids, int n, unsigned char *alive);
+/* 1 if pid is gone or a zombie (for workers that are not our children). */
+int torchmp_pid_exited(pid_t pid);
 
 #endif /* TORCHMP_H */

@@ -8,20 +8,25 @@ by the I/O thread).  It imports the launcher's ``__main__`` (as
 
 Protocol, over a Unix socket pair (the server's end is its fd 4):
 
-* request: 4-byte length + pickle of ``(fn, args, env)``, with the worker's
-  stdout, stderr and return-channel fds attached (SCM_RIGHTS);
-* reply: 8-byte pid (negative: -errno of a failed fork).
+* request: 4-byte length, a flags byte, then a pickle of ``(fn, args, env)``,
+  with the worker's stdout, stderr and return-channel fds attached
+  (SCM_RIGHTS);
+* reply: 8-byte pid (negative: -errno of a failed fork);
+* release (flag ``_RELEASE``): the launcher is done signalling these workers'
+  process groups; 8-byte pids, no reply.
 
-The worker is the server's child, not the launcher's, so the server reaps it
-and appends a ``tmpEXIT1`` trailer (wait status, user/sys CPU, max RSS) to
-the worker's return channel; the launcher's I/O thread takes the channel's
-EOF as the exit event.  If the server dies, its workers die with it (their
+The worker is the server's child, not the launcher's.  When it exits the
+server reads its status without reaping it (``waitid(WNOWAIT)``), appends a
+``tmpEXIT1`` trailer (wait status, user/sys CPU, max RSS) to the worker's
+return channel, and keeps the zombie until the launcher releases it: the
+zombie pins the pid and process group id the launcher may still signal.  If the server dies, its workers die with it (their
 parent-death signal) and their channels end without a trailer: the launcher
 reports them as failed with "the forkserver died".
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import select
@@ -41,6 +46,8 @@ _REPLY = struct.Struct("<q")
 _LENGTH = struct.Struct("<I")
 _TRAILER = struct.Struct("<8sqqqq")
 _TRAILER_MAGIC = b"tmpEXIT1"
+_PID = struct.Struct("<q")
+_RELEASE = 0x80  # flags bit of a release message
 
 # A request not answered in this time means the server is wedged.
 REPLY_TIMEOUT = 60.0
@@ -63,7 +70,9 @@ class ForkServerDied(RuntimeError):
 class ForkServer:
     def __init__(self) -> None:
         self._owner = os.getpid()
-        self._lock = threading.Lock()
+        # Re-entrant: a launch that fails closes its context, which releases
+        # the workers the server started (release() takes the lock too).
+        self._lock = threading.RLock()
         self._sock: socket.socket | None = None
         self._group: _core.Group | None = None
 
@@ -114,15 +123,15 @@ class ForkServer:
         if self._group is not None:
             group, self._group = self._group, None
             try:
-                group.killpg(signal.SIGKILL, True)
+                group.killpg(signal.SIGKILL)
             except OSError:
                 pass
             deadline = time.monotonic() + 5
             while time.monotonic() < deadline:
-                _, ranks = group.snapshot()
+                version, ranks = group.snapshot()
                 if ranks[0][0] != _core.PROC_RUNNING:
                     break
-                group.wait(deadline - time.monotonic())
+                group.wait(deadline - time.monotonic(), version)
             group.finish_streams()
             group.release()
 
@@ -156,6 +165,17 @@ class ForkServer:
             buf += chunk
         return _REPLY.unpack(buf)[0]  # type: ignore[no-any-return]
 
+    def release(self, pids: list[int]) -> None:
+        """Let the server reap these workers' zombies (see the module doc)."""
+        with self._lock:
+            if self._sock is None or not pids:
+                return
+            body = b"".join(_PID.pack(pid) for pid in pids)
+            try:
+                self._send_message(bytes([_RELEASE]) + body, [])
+            except ForkServerDied:
+                pass  # gone: its zombies went with it
+
     # -- launching ----------------------------------------------------------
     def launch(self, ctx: Any, group: Any, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
         with self._lock:
@@ -174,19 +194,26 @@ class ForkServer:
                                             protocol=pickle.HIGHEST_PROTOCOL)
                         fds = [fd for fd in (out_fd, err_fd) if fd >= 0] + [ret_fd]
                         flags = (out_fd >= 0) | (err_fd >= 0) << 1
-                        self._send_message(bytes([flags]) + body, fds)
-                        pid = self._recv_reply()
-                    except ForkServerDied:
+                        data = bytes([flags]) + body
+                        assert self._sock is not None
+                        # Send and reply in C: the pid is recorded in the group
+                        # before any signal handler can run.
+                        pid = group.forkserver_fork(rank, self._sock.fileno(), _LENGTH.pack(len(data)) + data,
+                                                    fds, REPLY_TIMEOUT)
+                    except OSError as e:
                         self._stop()
-                        raise
+                        if e.errno == errno.ETIMEDOUT:
+                            raise ForkServerDied(
+                                f"the torchmp forkserver did not answer within {REPLY_TIMEOUT:.0f}s") from None
+                        raise ForkServerDied(f"the torchmp forkserver is gone ({e})") from None
                     finally:
                         group.close_worker_fds(rank)
                     if pid <= 0:
                         raise OSError(-pid, f"forkserver could not fork local rank {rank}: {os.strerror(-pid)}")
                     # Watched at once: its pidfd should be open before it can exit.
-                    group.adopt([(rank, pid)], True)
+                    group.adopt_forked()
             except BaseException:
-                ctx._abort_launch(group, [])  # the ranks adopted so far are killed
+                ctx._abort_launch(group)  # every rank the server started is killed
                 raise
             group.drop_unstarted()
 
@@ -223,8 +250,8 @@ def _recv_message(sock: socket.socket) -> tuple[bytes, list[int]] | None:
     return bytes(body), list(fds)
 
 
-def _trailer(status: int, ru: Any) -> bytes:
-    return _TRAILER.pack(_TRAILER_MAGIC, status, int(ru.ru_utime * 1e9), int(ru.ru_stime * 1e9), ru.ru_maxrss)
+def _trailer(status: int, utime_ns: int, stime_ns: int, maxrss_kb: int) -> bytes:
+    return _TRAILER.pack(_TRAILER_MAGIC, status, utime_ns, stime_ns, maxrss_kb)
 
 
 def server_main() -> None:
@@ -235,6 +262,7 @@ def server_main() -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ret_fds: dict[int, int] = {}  # worker pid -> our copy of its return channel
+    held: set[int] = set()  # exited workers whose zombies the launcher may still need
     server_pid = os.getpid()
 
     message = _recv_message(sock)
@@ -252,21 +280,30 @@ def server_main() -> None:
             print(f"torchmp forkserver: could not preload {name}: {e!r}", file=sys.stderr)
     sock.sendall(_REPLY.pack(0))
 
-    def reap() -> None:
-        while ret_fds:
+    def collect() -> None:
+        for pid in list(ret_fds):
             try:
-                pid, status, ru = os.wait4(-1, os.WNOHANG)
+                exited = _core.collect_exit(pid)
             except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            fd = ret_fds.pop(pid, None)
-            if fd is not None:
+                exited = (255 << 8, 0, 0, 0)
+            if exited is None:
+                continue
+            fd = ret_fds.pop(pid)
+            held.add(pid)
+            try:
+                _worker._write_all(fd, _trailer(*exited))
+            except OSError:
+                pass
+            os.close(fd)
+
+    def release(body: bytes) -> None:
+        for (pid,) in _PID.iter_unpack(body[: len(body) // _PID.size * _PID.size]):
+            if pid in held:
+                held.discard(pid)
                 try:
-                    _worker._write_all(fd, _trailer(status, ru))
-                except OSError:
+                    os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
                     pass
-                os.close(fd)
 
     while True:
         try:
@@ -279,7 +316,7 @@ def server_main() -> None:
                     pass
             except BlockingIOError:
                 pass
-            reap()
+            collect()
         if sock not in ready:
             continue
         message = _recv_message(sock)
@@ -287,6 +324,9 @@ def server_main() -> None:
             return  # the launcher is gone; our workers follow by their death signal
         data, fds = message
         flags, body = data[0], data[1:]
+        if flags & _RELEASE:
+            release(body)
+            continue
         fds_iter = iter(fds)
         out_fd = next(fds_iter) if flags & 1 else -1
         err_fd = next(fds_iter) if flags & 2 else -1
@@ -305,7 +345,7 @@ def server_main() -> None:
         else:
             os.close(ret_fd)
         sock.sendall(_REPLY.pack(pid))
-        reap()
+        collect()
 
 
 def _server_child(server_pid: int, sock: socket.socket, wake_r: int, wake_w: int, ret_fds: dict[int, int],

@@ -187,9 +187,10 @@ class MultiprocessContext(_NativeContext):
             logger.error("failed to set up the streams of local rank %s of %s: %s",
                          getattr(e, "rank", "?"), self.name, e)
             raise
-        forked: list[tuple[int, int]] = []
         try:
             for rank in range(self.nprocs):
+                # fork_rank records the pid in the group before it returns, so
+                # a signal landing anywhere after the fork cannot lose it.
                 pid, ret_fd = group.fork_rank(rank, on_main_thread, launcher_signals)
                 if pid == 0:
                     # The child must never unwind into the launcher's frames.
@@ -198,27 +199,21 @@ class MultiprocessContext(_NativeContext):
                                     ret_fd, launcher_signals)
                     finally:
                         os._exit(1)
-                forked.append((rank, pid))
+            group.adopt_forked()
         except BaseException as e:
             if isinstance(e, OSError):
-                logger.error("failed to fork local rank %s of %s: %s", len(forked), self.name, e)
-            self._abort_launch(group, forked)
-            raise
-        try:
-            group.adopt(forked, False)
-        except BaseException:
-            self._abort_launch(group, [])
+                logger.error("failed to start the workers of %s: %s", self.name, e)
+            self._abort_launch(group)
             raise
         group.drop_unstarted()
 
-    def _abort_launch(self, group: Any, forked: list[tuple[int, int]]) -> None:
-        """A launch failed half-way: watch the forked children not watched
-        yet (so close() kills them too), drop the ranks never started, and
-        tear everything down."""
+    def _abort_launch(self, group: Any) -> None:
+        """A launch failed half-way: drop the ranks never started and tear
+        down every one that was (close() first adopts any forked worker not
+        watched yet)."""
         try:
-            group.adopt(forked, False)
-        finally:
             group.drop_unstarted()
+        finally:
             self._close(signal.SIGKILL, timeout=KILL_GRACE_SECONDS)
 
     # -- results ----------------------------------------------------------------
@@ -246,6 +241,12 @@ class MultiprocessContext(_NativeContext):
         for rank in range(self.nprocs):
             if rank not in self._return_blobs:
                 self._return_blobs[rank] = group.take_return(rank)
+
+    def _release_foreign(self, pids: list[int]) -> None:
+        if pids and self.start_method == "forkserver":
+            from torchmp._forkserver import get_forkserver
+
+            get_forkserver().release(pids)
 
     def _lost_status_reason(self, rank: int) -> str:
         if self.start_method == "forkserver":

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import _signal  # type: ignore[import-not-found]  # the C half of signal, without its enum wrapping
 import abc
+import atexit
 import errno
 import logging
 import os
@@ -531,6 +532,10 @@ class _NativeContext(PContext):
         self._group: Any = None
         self._result: RunProcsResult | None = None
         self._closed = False
+        # close() from any thread or signal handler, any number at once: one
+        # runs, the others wait for it.  Re-entrant, for a handler that
+        # closes the context while its own thread is inside close().
+        self._close_lock = threading.RLock()
         self._terminated_by_launcher: set[int] = set()
         self._abandoned: set[int] = set()
         # The last snapshot, kept once close() has released the native group.
@@ -641,6 +646,11 @@ class _NativeContext(PContext):
     def _start(self) -> None:
         if self._group is not None:
             raise ValueError("The workers are already started. Most likely start() got called twice.")
+        # A spawn/forkserver worker re-importing a main module that has no
+        # __main__ guard must not start a nested job.
+        from torchmp._worker import refuse_nested_launch
+
+        refuse_nested_launch()
         self._ensure_fd_budget()
         opened: list[int] = []
         try:
@@ -660,6 +670,7 @@ class _NativeContext(PContext):
                 for rank in range(self.nprocs)
             ]
             self._group = _core.Group(self.nprocs, filtered[0][0], filtered[0][1], filtered[1][0], filtered[1][1])
+            _live_contexts.add(self)
             self._launch(self._group, streams)
         finally:
             for fd in opened:
@@ -667,9 +678,13 @@ class _NativeContext(PContext):
 
     # -- observe ----------------------------------------------------------
     def _snapshot(self) -> tuple[int, list[tuple[Any, ...]]]:
-        if self._final is not None:
-            return self._final
-        return self._group.snapshot()  # type: ignore[no-any-return]
+        if self._final is None:
+            try:
+                return self._group.snapshot()  # type: ignore[no-any-return]
+            except ValueError:
+                pass  # released by a close() in another thread: _final is set
+        assert self._final is not None
+        return self._final
 
     def pids(self) -> dict[int, int]:
         if self._group is None:
@@ -767,64 +782,111 @@ class _NativeContext(PContext):
 
     def wait(self, timeout: float = -1, period: float = 1) -> RunProcsResult | None:
         """Like torch's ``wait`` but event-driven: it returns as soon as the
-        deciding exit is recorded (``period`` is accepted and ignored)."""
+        deciding exit is recorded (``period`` is accepted and ignored).  Safe
+        while other threads or a signal handler call ``close()``: a wait
+        woken by a close returns the result."""
         if timeout == 0 or self._group is None or self._closed:
             return self._poll()
         deadline = None if timeout < 0 else time.monotonic() + timeout
+        group = self._group
         while True:
+            try:
+                # Read before the poll: an exit recorded after it ends the
+                # sleep below at once.
+                version = group.version()
+            except ValueError:  # closed meanwhile
+                return self._poll()
             result = self._poll()
             if result is not None:
                 return result
             if deadline is None:
-                self._group.wait(-1)
-                continue
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            self._group.wait(remaining)
+                remaining = -1.0
+            else:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+            try:
+                group.wait(remaining, version)
+            except ValueError:
+                pass  # closed by another thread or a handler: _poll has the result
 
     # -- terminate ----------------------------------------------------------
     def _running(self) -> list[int]:
         _, ranks = self._snapshot()
         return [r for r, info in enumerate(ranks) if info[0] == _core.PROC_RUNNING]
 
-    def _wait_exits(self, deadline: float) -> list[int]:
-        """Wait until every rank exited or the deadline; returns the living."""
+    # How often close() looks again at groups whose leader has exited but
+    # which still hold other processes (there is no event for a process
+    # group emptying): from 2 ms, doubling, to 50 ms.
+    _GROUP_POLL_FIRST = 0.002
+    _GROUP_POLL_MAX = 0.05
+
+    def _wait_groups(self, group: Any, deadline: float) -> list[int]:
+        """Wait until every rank's process group is empty (leaders exited,
+        and nothing else left in their groups) or the deadline; returns the
+        ranks whose groups are still busy."""
+        nap = self._GROUP_POLL_FIRST
         while True:
-            running = self._running()
+            version = group.version()
             remaining = deadline - time.monotonic()
-            if not running or remaining <= 0:
-                return running
-            self._group.wait(remaining)
+            if remaining <= 0:
+                return group.busy()  # type: ignore[no-any-return]
+            if self._running():
+                group.wait(remaining, version)  # leaders first: their exits are events
+                continue
+            busy = group.busy()
+            if not busy:
+                return []
+            group.wait(min(nap, remaining), version)
+            nap = min(nap * 2, self._GROUP_POLL_MAX)
 
     def _close(self, death_sig: signal.Signals, timeout: float = 30) -> None:
-        if self._group is None or self._closed:
-            return
-        group = self._group
+        with self._close_lock:
+            if self._group is None or self._closed:
+                return
+            try:
+                self._close_group(self._group, death_sig, timeout)
+            except ValueError:
+                # A signal handler on this thread closed the context while
+                # this close waited: the group is down and released.
+                if not self._closed:
+                    raise
+
+    def _close_group(self, group: Any, death_sig: signal.Signals, timeout: float) -> None:
+        # Workers an interrupted launch started but never got to watch.
+        group.adopt_forked()
         pids = self.pids()
         running = self._running()
         self._terminated_by_launcher |= set(running)
-        if running:
+        # The grace period is the whole group's: a leader that is a shell
+        # (sh -c 'python train.py') exits at once on SIGTERM while its child
+        # is still saving a checkpoint.  Groups whose leader exited stay
+        # signallable: the leader's zombie pins the group id until reap().
+        busy = group.busy()
+        if busy:
             for rank in running:
                 logger.warning("Sending process %s closing signal %s", pids.get(rank), death_sig.name)
             group.killpg(int(death_sig))
-            running = self._wait_exits(time.monotonic() + max(0.0, float(timeout)))
-        if running:
+            busy = self._wait_groups(group, time.monotonic() + max(0.0, float(timeout)))
+        if busy:
             group.killpg(int(signal.SIGKILL))
-            for rank in running:
-                logger.warning(
-                    "Unable to shutdown process %s via %s, forcefully exiting via SIGKILL",
-                    pids.get(rank), death_sig.name)
-            running = self._wait_exits(time.monotonic() + KILL_GRACE_SECONDS)
+            if death_sig != signal.SIGKILL:
+                for rank in busy:
+                    logger.warning(
+                        "Unable to shutdown process %s via %s, forcefully exiting via SIGKILL",
+                        pids.get(rank), death_sig.name)
+            self._wait_groups(group, time.monotonic() + KILL_GRACE_SECONDS)
+            running = self._running()
             for rank in running:
                 logger.error(
                     "Process %s (local rank %s) did not exit %.1fs after SIGKILL; abandoning it. "
                     "It may be in uninterruptible sleep (wedged on a device); the I/O thread "
                     "reaps it if it ever exits.", pids.get(rank), rank, KILL_GRACE_SECONDS)
             self._abandoned = set(running)
-        # Grandchildren live on in the workers' process groups after their
-        # leaders exit: take them down too.
-        group.killpg(int(signal.SIGKILL), True)
+        # The last signal: whatever joined a group meanwhile.  After reap()
+        # no group id of this context is signalled again.
+        group.killpg(int(signal.SIGKILL))
+        self._release_foreign(group.reap())
         group.finish_streams()
         # Free the native side now (fds included) rather than whenever the
         # garbage collector gets to this object.
@@ -833,7 +895,31 @@ class _NativeContext(PContext):
         # Closed before the release: an interrupt landing in between must not
         # make a retried close() use a released group.
         self._closed = True
+        _live_contexts.discard(self)
         group.release()
+
+    def _release_foreign(self, pids: list[int]) -> None:
+        """Workers started by a forkserver: tell it to reap these."""
+
+
+# Contexts started and not closed yet: closed the normal way (death signal,
+# grace period, SIGKILL) if the launcher exits without closing them.  Strong
+# references: a context the program dropped still has workers to stop.
+_live_contexts: set[_NativeContext] = set()
+
+# The grace period those contexts get at exit, as close()'s default.
+EXIT_CLOSE_TIMEOUT = 30.0
+
+
+def _close_live_contexts_at_exit() -> None:
+    for ctx in list(_live_contexts):
+        try:
+            close_despite_interrupts(ctx, signal.SIGTERM, EXIT_CLOSE_TIMEOUT)
+        except Exception as e:  # pragma: no cover - keep closing the others
+            logger.error("closing %s at exit failed: %r", ctx.name, e)
+
+
+atexit.register(_close_live_contexts_at_exit)
 
 
 class SubprocessContext(_NativeContext):
