@@ -403,12 +403,15 @@ def _wait_files(paths: list[Path], timeout: float = 10.0) -> list[int]:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_terminates_workers(torchmp_cli, tmp_path, sig):
     # Each worker has a grandchild in its process group (a background job,
-    # which a non-interactive sh starts with SIGINT ignored): it must go too.
-    c = torchmp_cli("run", "-n", "2", "--log-dir", str(tmp_path / "logs"), "--",
+    # which a non-interactive sh starts with SIGINT ignored): it must go too,
+    # after the grace period that now covers the whole group.
+    c = torchmp_cli("run", "-n", "2", "--shutdown-timeout", "1", "--log-dir", str(tmp_path / "logs"), "--",
                     "sh", "-c", f'sleep 30 & echo $$ > {tmp_path}/pid.$RANK.tmp; '
                                 f'mv {tmp_path}/pid.$RANK.tmp {tmp_path}/pid.$RANK; wait')
     pids = _wait_files([tmp_path / "pid.0", tmp_path / "pid.1"])
-    assert len(tagged(c.tag)) == 5  # torchmp run, 2 workers, 2 grandchildren
+    # torchmp run, its keeper, 2 workers, 2 grandchildren
+    assert sorted(p.name() for p in tagged(c.tag)).count("torchmp-keeper") == 1
+    assert len(tagged(c.tag)) == 6
     os.kill(c.proc.pid, sig)
     code, out, err = c.communicate()
     assert code == 128 + sig
@@ -478,7 +481,7 @@ def test_second_signal_kills_at_once(torchmp_cli, tmp_path):
     c = torchmp_cli("run", "-n", "1", "--log-dir", str(tmp_path / "logs"), "--", "sh", "-c",
                     f"trap '' INT; echo $$ > {tmp_path}/pid.tmp; mv {tmp_path}/pid.tmp "
                     f"{tmp_path}/pid; while :; do sleep 0.05; done")
-    _wait_files([tmp_path / "pid"])
+    [pid] = _wait_files([tmp_path / "pid"])
     os.kill(c.proc.pid, signal.SIGINT)
     time.sleep(0.3)
     assert c.proc.poll() is None  # waiting for the worker (up to 30 s)
@@ -486,6 +489,15 @@ def test_second_signal_kills_at_once(torchmp_cli, tmp_path):
     code, out, err = c.communicate(timeout=10)
     assert code == 128 + signal.SIGINT
     assert summary_rows(err)[0]["exit"] == "SIGKILL"
+    # The SIGKILL is the death signal itself: no "unable to shut down via
+    # SIGKILL, forcefully exiting via SIGKILL" after it.
+    shutdown = [line for line in err.splitlines()
+                if line.startswith(("torchmp: Sending", "torchmp: Unable", "torchmp: got"))]
+    assert shutdown == [
+        f"torchmp: Sending process {pid} closing signal SIGINT",
+        f"torchmp: Sending process {pid} closing signal SIGKILL",
+        "torchmp: got SIGINT: terminated the workers",
+    ]
 
 
 def test_sigkilled_launcher_leaves_nothing(torchmp_cli, tmp_path):
@@ -640,11 +652,15 @@ def test_ranks_that_exit_0_on_the_launchers_signal_did_not_succeed(torchmp_cli, 
 
 
 def test_ranks_that_exit_0_on_the_fail_fast_did_not_succeed(run, tmp_path):
+    # Ranks 0 and 2 say they are ready only once their trap and background
+    # job are in place: a job forked after the fail-fast signal would miss
+    # it and hold its group for the whole grace period.
     code, out, err = run("run", "-n", "3", "--log-dir", str(tmp_path / "logs"), "--", "sh", "-c",
-                         _pid_file_cmd(tmp_path, f'if [ "$RANK" = 1 ]; then '
-                                                 f'while [ ! -e {tmp_path}/pid.0 ] || '
-                                                 f'[ ! -e {tmp_path}/pid.2 ]; do sleep 0.01; done; '
-                                                 "exit 7; fi; trap 'exit 0' TERM; sleep 30 & wait"))
+                         f'if [ "$RANK" = 1 ]; then '
+                         f'while [ ! -e {tmp_path}/pid.0 ] || '
+                         f'[ ! -e {tmp_path}/pid.2 ]; do sleep 0.01; done; '
+                         "exit 7; fi; trap 'exit 0' TERM; sleep 30 & "
+                         + _pid_file_cmd(tmp_path, "wait"))
     assert code == 7
     assert re.fullmatch(r"torchmp: summary of sh: 0/3 ranks succeeded, exit code 7, \d+\.\d\ds",
                         summary_title(err)), err
