@@ -8,7 +8,8 @@ by the I/O thread).  It imports the launcher's ``__main__`` (as
 
 Protocol, over a Unix socket pair (the server's end is its fd 4):
 
-* request: 4-byte length, a flags byte, then a pickle of ``(fn, args, env)``,
+* request: 4-byte length, a flags byte, then a pickle of ``(env, pickle of
+  (fn, args))``,
   with the worker's stdout, stderr and return-channel fds attached
   (SCM_RIGHTS);
 * reply: 8-byte pid (negative: -errno of a failed fork);
@@ -190,8 +191,12 @@ class ForkServer:
                         # The launcher's environment now, not the server's from
                         # when it started: a variable removed since must not leak.
                         env = _worker.full_env(ctx.envs[rank])
-                        body = pickle.dumps((ctx.entrypoint, ctx.args[rank], env),
-                                            protocol=pickle.HIGHEST_PROTOCOL)
+                        # The env apart from the function: a worker whose
+                        # function cannot be unpickled still knows where its
+                        # error file goes.
+                        body = pickle.dumps(
+                            (env, pickle.dumps((ctx.entrypoint, ctx.args[rank]), protocol=pickle.HIGHEST_PROTOCOL)),
+                            protocol=pickle.HIGHEST_PROTOCOL)
                         fds = [fd for fd in (out_fd, err_fd) if fd >= 0] + [ret_fd]
                         flags = (out_fd >= 0) | (err_fd >= 0) << 1
                         data = bytes([flags]) + body
@@ -269,9 +274,11 @@ def server_main() -> None:
     if message is None:
         return
     prep, preload = pickle.loads(message[0])
+    main_error: BaseException | None = None
     try:
         _worker.prepare(prep)
     except BaseException as e:  # a main module that fails to import must not kill the server
+        main_error = e
         print(f"torchmp forkserver: could not import the main module: {e!r}", file=sys.stderr)
     for name in preload:
         try:
@@ -336,7 +343,7 @@ def server_main() -> None:
         except OSError as e:
             pid = -(e.errno or 1)
         if pid == 0:
-            _server_child(server_pid, sock, wake_r, wake_w, ret_fds, out_fd, err_fd, ret_fd, body)
+            _server_child(server_pid, sock, wake_r, wake_w, ret_fds, out_fd, err_fd, ret_fd, body, main_error)
         for fd in (out_fd, err_fd):
             if fd >= 0:
                 os.close(fd)
@@ -349,7 +356,7 @@ def server_main() -> None:
 
 
 def _server_child(server_pid: int, sock: socket.socket, wake_r: int, wake_w: int, ret_fds: dict[int, int],
-                  out_fd: int, err_fd: int, ret_fd: int, body: bytes) -> None:
+                  out_fd: int, err_fd: int, ret_fd: int, body: bytes, main_error: BaseException | None) -> None:
     code = 1
     try:
         signal.set_wakeup_fd(-1)
@@ -365,9 +372,17 @@ def _server_child(server_pid: int, sock: socket.socket, wake_r: int, wake_w: int
         for fd in (out_fd, err_fd):
             if fd > 2:
                 os.close(fd)
-        fn, args, env = pickle.loads(body)
+        env, call = pickle.loads(body)
         os.environb.clear()
         os.environb.update(env)
+        try:
+            fn, args = pickle.loads(call)
+        except Exception:
+            if main_error is not None:
+                # The real cause: the function lives in a main module that
+                # could not be imported (e.g. it launches without a guard).
+                raise main_error from None
+            raise
     except BaseException as e:
         import traceback
 

@@ -83,7 +83,33 @@ def _install_main(run: Callable[[], dict[str, Any]]) -> None:
     sys.modules["__main__"] = sys.modules["__mp_main__"] = module
 
 
+# True while a spawn/forkserver process re-imports the launcher's main module.
+_bootstrapping = False
+
+
+def refuse_nested_launch() -> None:
+    """Raise if called while the main module is being re-imported: a script
+    without an ``if __name__ == "__main__":`` guard would otherwise start a
+    whole new job from every worker (multiprocessing refuses the same way)."""
+    if _bootstrapping:
+        raise RuntimeError(
+            "An attempt has been made to start a new process before the current process has "
+            "finished its bootstrapping phase.  This worker re-imports the launcher's main "
+            "module (start_method 'spawn' or 'forkserver'), and that module starts workers at "
+            "import time.  Protect the launch with:\n\n    if __name__ == \"__main__\":\n"
+            "        ...start_processes(...)\n\nor use start_method='fork'.")
+
+
 def prepare(data: dict[str, Any]) -> None:
+    global _bootstrapping
+    _bootstrapping = True
+    try:
+        _prepare(data)
+    finally:
+        _bootstrapping = False
+
+
+def _prepare(data: dict[str, Any]) -> None:
     sys.path[:] = data["sys_path"]
     sys.argv[:] = data["sys_argv"]
     name = data.get("main_name")

@@ -241,6 +241,11 @@ class PContext(abc.ABC):
     def start(self) -> None:
         """Start the workers; on the main thread, first install the handlers
         that turn the termination signals into :class:`SignalException`."""
+        # A spawn/forkserver worker re-importing a main module that has no
+        # __main__ guard must not start a nested job (nor install handlers).
+        from torchmp._worker import refuse_nested_launch
+
+        refuse_nested_launch()
         _install_signal_handlers()
         self._start()
 
@@ -646,11 +651,6 @@ class _NativeContext(PContext):
     def _start(self) -> None:
         if self._group is not None:
             raise ValueError("The workers are already started. Most likely start() got called twice.")
-        # A spawn/forkserver worker re-importing a main module that has no
-        # __main__ guard must not start a nested job.
-        from torchmp._worker import refuse_nested_launch
-
-        refuse_nested_launch()
         self._ensure_fd_budget()
         opened: list[int] = []
         try:

@@ -1,0 +1,602 @@
+"""Process control that never hurts the job (issue: safe kills, group grace,
+no crash, no strays).
+
+Each test drives the adversarial case itself, in a launcher of its own (a
+subprocess) wherever the case could crash, hang or kill the launcher:
+
+* a recycled pid in a private pid namespace must never be signalled;
+* the grace period covers a rank's whole process group;
+* close() racing wait(), close() and a signal handler must not crash;
+* a signal anywhere in a launch leaves no untracked worker;
+* nothing of a rank survives its launcher, however the launcher ends.
+
+Every launcher carries a unique TORCHMP_TEST_TAG that its workers inherit:
+cleanup finds leftovers by that tag and kills them by process group.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+import torchmp
+from helpers import TAG_VAR, kill_tagged, pid_alive, wait_gone, wait_no_tagged
+
+TORCHMP_PATH = str(Path(torchmp.__file__).resolve().parent.parent)
+
+
+class Launcher:
+    """A Python launcher program in its own session, cleaned up by tag."""
+
+    def __init__(self, script: str, *args: str, env: dict[str, str] | None = None,
+                 argv_prefix: list[str] | None = None) -> None:
+        self.tag = uuid.uuid4().hex
+        full_env = dict(os.environ)
+        full_env["PYTHONPATH"] = TORCHMP_PATH + os.pathsep + full_env.get("PYTHONPATH", "")
+        full_env[TAG_VAR] = self.tag
+        full_env.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
+        if env:
+            full_env.update(env)
+        self.proc = subprocess.Popen(
+            [*(argv_prefix or []), sys.executable, "-c", textwrap.dedent(script), *args],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env=full_env, cwd="/", start_new_session=True, text=True, errors="replace")
+
+    def communicate(self, timeout: float) -> tuple[int, str, str]:
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.cleanup()
+            out, err = self.proc.communicate()
+            raise AssertionError(f"launcher did not finish in {timeout}s:\n{out}\n{err}") from None
+        return self.proc.returncode, out, err
+
+    def cleanup(self) -> None:
+        kill_tagged(self.tag)
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+        self.proc.communicate()
+
+
+@pytest.fixture
+def launcher():
+    started: list[Launcher] = []
+
+    def start(script: str, *args: str, **kwargs) -> Launcher:
+        launched = Launcher(script, *args, **kwargs)
+        started.append(launched)
+        return launched
+
+    yield start
+    for launched in started:
+        launched.cleanup()
+
+
+def wait_for_file(path: Path, text: str = "", timeout: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            content = path.read_text()
+        except FileNotFoundError:
+            content = None
+        if content is not None and text in content:
+            return content
+        time.sleep(0.01)
+    raise AssertionError(f"{path} did not get {text!r} in {timeout}s")
+
+
+# ---------------------------------------------------------------------------
+# 1. A signal never reaches a process that is not ours.
+
+def _can_unshare_pid() -> bool:
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return False
+    probe = subprocess.run(
+        [unshare, "--pid", "--fork", "--mount-proc", "sh", "-c", "echo $$ > /proc/sys/kernel/ns_last_pid"],
+        capture_output=True, timeout=10)
+    return probe.returncode == 0
+
+
+REUSE_SCRIPT = """
+    import os, subprocess, sys, time
+    import torchmp
+    from torchmp import DefaultLogsSpecs
+
+    ctx = torchmp.start_processes(
+        "reuse", "sh", args={0: ("-c", "exec sleep 30"), 1: ("-c", "exit 0")}, envs=None,
+        logs_specs=DefaultLogsSpecs(log_dir=sys.argv[1]))
+    victim = ctx.pids()[1]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{victim}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.005)
+    time.sleep(0.2)  # time for a launcher that reaps at once to have reaped
+    # The next pid handed out is the victim's, if it is free: an unrelated
+    # program starts there and makes a session (and process group) of its own.
+    with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+        f.write(str(victim - 1))
+    stranger = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    ctx.close(timeout=5)
+    alive = stranger.poll() is None
+    victim_reaped = not os.path.exists(f"/proc/{victim}")
+    stranger.kill()
+    stranger.wait()
+    print(victim, stranger.pid, int(alive), int(victim_reaped))
+"""
+
+
+def test_recycled_pid_in_a_private_pid_namespace_is_never_signalled(launcher, tmp_path):
+    if not _can_unshare_pid():
+        pytest.skip("no private pid namespace here (unshare --pid, ns_last_pid)")
+    run = launcher(REUSE_SCRIPT, str(tmp_path),
+                   argv_prefix=[shutil.which("unshare"), "--pid", "--fork", "--mount-proc"])
+    rc, out, err = run.communicate(60)
+    assert rc == 0, err
+    victim, stranger, alive, victim_reaped = (int(x) for x in out.split())
+    # The exited rank's zombie pins its pid until close() is done with it ...
+    assert stranger != victim, "the exited rank's pid was free for reuse while torchmp could still signal it"
+    # ... so the stranger lives through close(), and close() reaped the zombie.
+    assert alive == 1, "close() killed a process that is not torchmp's"
+    assert victim_reaped == 1
+
+
+def test_exited_rank_stays_a_zombie_until_close_then_is_reaped(tmp_path):
+    ctx = torchmp.start_processes("zombie", "sh", args={0: ("-c", "exec sleep 30"), 1: ("-c", "exit 3")},
+                                  envs=None, logs_specs=torchmp.DefaultLogsSpecs(log_dir=str(tmp_path)))
+    try:
+        pids = ctx.pids()
+        deadline = time.monotonic() + 10
+        while psutil.Process(pids[1]).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(0.1)
+        # Recorded, but not reaped: the zombie keeps pid and group id ours.
+        assert psutil.Process(pids[1]).status() == psutil.STATUS_ZOMBIE
+        result = ctx.wait(10)
+        assert result is not None and result.failures[1].exitcode == 3
+        assert result.resources[1].exitcode == 3 and result.resources[1].wall_time > 0
+        assert not psutil.pid_exists(pids[1]) or psutil.Process(pids[1]).status() != psutil.STATUS_ZOMBIE
+        assert wait_gone([pids[0]]) == []
+    finally:
+        ctx.close(signal.SIGKILL, 1)
+
+
+# ---------------------------------------------------------------------------
+# 2. The grace period covers the whole process group.
+
+SAVER = """
+import os, signal, sys, time
+ready, ckpt = sys.argv[1], sys.argv[2]
+def save(signum, frame):
+    time.sleep(2)  # writing a checkpoint after SIGTERM
+    with open(ckpt, "w") as f:
+        f.write("saved")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, save)
+with open(ready, "a") as f:
+    f.write(f"{os.getpid()}\\n")
+while True:
+    time.sleep(0.1)
+"""
+
+
+def _wrapper_args(tmp_path: Path, rank: int) -> tuple[str, ...]:
+    saver = tmp_path / "saver.py"
+    saver.write_text(SAVER)
+    # The shell is the rank's leader; SIGTERM ends it at once while its
+    # child, in the same process group, is still saving.
+    script = (f'trap "exit 143" TERM; "{sys.executable}" "{saver}" "{tmp_path}/ready" '
+              f'"{tmp_path}/ckpt{rank}" & wait')
+    return ("-c", script)
+
+
+def test_close_gives_the_whole_group_its_grace_period(tmp_path):
+    ctx = torchmp.start_processes(
+        "wrap", "sh", args={0: _wrapper_args(tmp_path, 0), 1: _wrapper_args(tmp_path, 1)}, envs=None,
+        logs_specs=torchmp.DefaultLogsSpecs(log_dir=str(tmp_path / "logs")))
+    savers: list[int] = []
+    try:
+        deadline = time.monotonic() + 20
+        while len(savers) < 2 and time.monotonic() < deadline:
+            try:
+                savers = [int(x) for x in (tmp_path / "ready").read_text().split()]
+            except FileNotFoundError:
+                pass
+            time.sleep(0.01)
+        assert len(savers) == 2
+        t0 = time.monotonic()
+        ctx.close(signal.SIGTERM, timeout=20)
+        elapsed = time.monotonic() - t0
+        assert (tmp_path / "ckpt0").read_text() == "saved"
+        assert (tmp_path / "ckpt1").read_text() == "saved"
+        # close() returns once the groups are empty, not at the timeout.
+        assert 1.9 < elapsed < 15, elapsed
+        assert wait_gone(savers, 1) == []
+    finally:
+        for pid in savers:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        ctx.close(signal.SIGKILL, 1)
+
+
+def test_background_helper_of_an_exited_rank_gets_the_death_signal(tmp_path):
+    """A rank that succeeded left a helper in its group: close() (called by
+    wait() once the result is in) gives it SIGTERM first, not SIGKILL."""
+    mark = tmp_path / "helper"
+    helper = (f'( trap \'echo term > "{mark}"; exit 0\' TERM; echo $$ > /dev/null; '
+              f'while :; do sleep 0.05; done ) & echo started > "{mark}.up"; exit 0')
+    ctx = torchmp.start_processes("helper", "sh", args={0: ("-c", helper)}, envs=None,
+                                  logs_specs=torchmp.DefaultLogsSpecs(log_dir=str(tmp_path / "logs")))
+    try:
+        wait_for_file(tmp_path / "helper.up", "started")
+        result = ctx.wait(20)
+        assert result is not None and not result.is_failed()
+        assert wait_for_file(mark, "term", timeout=5) == "term\n"
+    finally:
+        ctx.close(signal.SIGKILL, 1)
+
+
+def test_torchmp_run_sigterm_gives_the_whole_group_its_grace_period(launcher, tmp_path):
+    (tmp_path / "saver.py").write_text(SAVER)
+    run = launcher("import sys\nfrom torchmp.__main__ import main\nsys.exit(main())",
+                   "run", "-n", "1", "--shutdown-timeout", "20", "--log-dir", str(tmp_path / "logs"),
+                   "--", "sh", *_wrapper_args(tmp_path, 0))
+    try:
+        pid = int(wait_for_file(tmp_path / "ready", "\n", timeout=20).split()[0])
+        os.kill(run.proc.pid, signal.SIGTERM)
+        rc, out, err = run.communicate(30)
+        assert (tmp_path / "ckpt0").read_text() == "saved", err
+        assert rc == 143, err
+        assert wait_gone([pid], 1) == []
+    finally:
+        run.cleanup()
+
+
+# ---------------------------------------------------------------------------
+# 3. No crash when close() races wait() or another close().
+
+RACE_SCRIPT = """
+    import os, random, signal, sys, threading, time
+    import torchmp
+    from torchmp import DefaultLogsSpecs
+
+    mode, rounds = sys.argv[1], int(sys.argv[2])
+    specs = DefaultLogsSpecs(log_dir=sys.argv[3])
+    rng = random.Random(1234)
+    outcomes = {}
+
+    def launch():
+        return torchmp.start_processes("race", "sleep", args={0: ("30",), 1: ("30",)}, envs=None,
+                                       logs_specs=specs)
+
+    for i in range(rounds):
+        ctx = launch()
+        pids = list(ctx.pids().values())
+        delay = rng.uniform(0, 0.003)
+        if mode == "handler":
+            # A graceful-shutdown handler that closes while main sits in wait().
+            signal.signal(signal.SIGUSR1, lambda s, f: ctx.close(timeout=5))
+            timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGUSR1))
+            timer.start()
+            result = ctx.wait(30)
+            timer.join()
+        elif mode == "watchdog":
+            timer = threading.Timer(delay, ctx.close, kwargs={"timeout": 5})
+            timer.start()
+            result = ctx.wait(30)
+            timer.join()
+        elif mode == "two_closers":
+            threads = [threading.Thread(target=ctx.close, kwargs={"timeout": 5}) for _ in range(2)]
+            for t in threads:
+                t.start()
+            time.sleep(delay)
+            ctx.close(timeout=5)
+            for t in threads:
+                t.join()
+            result = ctx.wait(0)
+        else:
+            raise SystemExit(f"unknown mode {mode}")
+        if result is None:
+            raise SystemExit(f"round {i}: wait() returned None after close()")
+        key = tuple(sorted((r, f.exitcode) for r, f in result.failures.items()))
+        outcomes[key] = outcomes.get(key, 0) + 1
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    raise SystemExit(f"round {i}: worker {pid} outlived close(): {f.read()[:60]}")
+            except FileNotFoundError:
+                pass
+    print("ok", rounds, sorted(outcomes.items()))
+"""
+
+
+@pytest.mark.parametrize("mode, rounds", [("handler", 300), ("watchdog", 1000), ("two_closers", 1000)])
+def test_close_racing_wait_or_close_never_crashes(launcher, tmp_path, mode, rounds):
+    run = launcher(RACE_SCRIPT, mode, str(rounds), str(tmp_path))
+    rc, out, err = run.communicate(300)
+    assert rc == 0, f"rc={rc} (a negative rc is the signal that killed the launcher)\n{out}\n{err[-3000:]}"
+    assert out.startswith(f"ok {rounds} "), out
+    # Every round ended with both ranks terminated by close().
+    assert "(0, -15), (1, -15)" in out or "(0, -9), (1, -9)" in out, out
+
+
+def test_wait_from_many_threads_all_return_the_result(tmp_path):
+    import threading
+
+    ctx = torchmp.start_processes("waiters", "sh", args={0: ("-c", "sleep 0.3; exit 0")}, envs=None,
+                                  logs_specs=torchmp.DefaultLogsSpecs(log_dir=str(tmp_path)))
+    results: list[object] = []
+    threads = [threading.Thread(target=lambda: results.append(ctx.wait(20))) for _ in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert len(results) == 8
+        assert all(r is not None and not r.is_failed() for r in results)  # type: ignore[attr-defined]
+    finally:
+        ctx.close()
+
+
+# ---------------------------------------------------------------------------
+# 4. No untracked worker after an interrupted launch.
+
+INTERRUPT_SCRIPT = """
+    import os, random, signal, sys, threading, time
+    import psutil
+    import torchmp
+    from torchmp import api, DefaultLogsSpecs, SignalException
+
+    method, runs, nprocs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    specs = DefaultLogsSpecs(log_dir=sys.argv[4])
+    keeper = None
+
+    def launch():
+        if method == "exec":
+            return torchmp.start_processes("intr", "sleep", args={r: ("30",) for r in range(nprocs)},
+                                           envs=None, logs_specs=specs)
+        return torchmp.start_processes("intr", time.sleep, args={r: (30,) for r in range(nprocs)}, envs=None,
+                                       logs_specs=specs, start_method=method)
+
+    def living_children():
+        found = []
+        for p in psutil.Process().children(recursive=True):
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE and "forkserver" not in " ".join(p.cmdline()):
+                    found.append(p)
+            except psutil.Error:
+                pass
+        return found
+
+    # How long one launch takes here: the signals land all over it.
+    t0 = time.monotonic()
+    launch().close(signal.SIGKILL, 5)
+    span = (time.monotonic() - t0) * 1.2
+    leaks = 0
+    for i in range(runs):
+        timer = threading.Timer(random.uniform(0, span), os.kill, (os.getpid(), signal.SIGTERM))
+        ctx = None
+        try:
+            try:
+                timer.start()
+                ctx = launch()
+                timer.join()
+                time.sleep(0.01)  # the handler runs at the next bytecode
+            except SignalException:
+                pass
+            finally:
+                timer.cancel()
+                timer.join()
+        except SignalException:
+            pass
+        # Whatever a context knows about is closed; anything alive after
+        # that is a worker nobody tracks.
+        for known in [ctx, *getattr(api, "_live_contexts", ())]:
+            if known is not None:
+                known.close(signal.SIGKILL, 5)
+        strays = living_children()
+        if strays:
+            leaks += len(strays)
+            for p in strays:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except OSError:
+                    pass
+                try:
+                    p.kill()
+                    p.wait(5)
+                except psutil.Error:
+                    pass
+    print("leaks", leaks)
+"""
+
+
+@pytest.mark.parametrize("method, runs, nprocs", [
+    ("fork", 120, 64),
+    ("forkserver", 100, 64),
+    ("exec", 120, 64),
+    ("spawn", 100, 4),  # a spawn worker is a whole interpreter: fewer per launch
+])
+def test_signal_anywhere_in_a_launch_leaves_no_untracked_worker(launcher, tmp_path, method, runs, nprocs):
+    run = launcher(INTERRUPT_SCRIPT, method, str(runs), str(nprocs), str(tmp_path))
+    rc, out, err = run.communicate(400)
+    assert rc == 0, err[-3000:]
+    assert out.split() == ["leaks", "0"], out + err[-2000:]
+    assert wait_no_tagged(run.tag, 10) == []
+
+
+# ---------------------------------------------------------------------------
+# 5. Nothing survives the launcher.
+
+def _descendants(pid: int) -> list[int]:
+    try:
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def test_sigkilled_torchmp_run_leaves_no_process_of_any_rank(launcher, tmp_path):
+    body = (f'sleep 300 & "{sys.executable}" -c "import time; time.sleep(300)" & '
+            f'echo up >> "{tmp_path}/up"; wait')
+    run = launcher("import sys\nfrom torchmp.__main__ import main\nsys.exit(main())",
+                   "run", "-n", "2", "--log-dir", str(tmp_path / "logs"), "--", "sh", "-c", body)
+    try:
+        deadline = time.monotonic() + 20
+        procs: list[int] = []
+        while time.monotonic() < deadline:
+            procs = [p for p in _descendants(run.proc.pid) if pid_alive(p)]
+            up = (tmp_path / "up").read_text().split() if (tmp_path / "up").exists() else []
+            # two shells, each with a sleep and a python
+            if len(up) == 2 and sum(1 for p in procs if _name(p) in ("sleep", "python3", "python")) >= 4:
+                break
+            time.sleep(0.02)
+        workers = [p for p in procs if _name(p) in ("sh", "sleep", "python3", "python")
+                   or "time.sleep(300)" in _cmdline(p)]
+        assert len(workers) >= 6, [(p, _name(p)) for p in procs]
+        os.kill(run.proc.pid, signal.SIGKILL)
+        run.proc.wait(10)
+        assert wait_gone(workers, 1.0) == [], [(p, _name(p)) for p in workers if pid_alive(p)]
+    finally:
+        run.cleanup()
+
+
+def _name(pid: int) -> str:
+    try:
+        return psutil.Process(pid).name()
+    except psutil.Error:
+        return ""
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return ""
+
+
+EXIT_SCRIPT = """
+    import os, sys, time
+    import torchmp
+    from torchmp import DefaultLogsSpecs
+
+    how, marks = sys.argv[1], sys.argv[2]
+    body = ('trap \\'echo term >> "%s/term"; kill $child 2>/dev/null; exit 0\\' TERM; '
+            'sleep 300 & child=$!; echo $child >> "%s/children"; wait') % (marks, marks)
+    ctx = torchmp.start_processes("noclose", "sh", args={0: ("-c", body), 1: ("-c", body)}, envs=None,
+                                  logs_specs=DefaultLogsSpecs(log_dir=marks + "/logs"))
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            if len(open(marks + "/children").read().split()) == 2:
+                break
+        except FileNotFoundError:
+            pass
+        time.sleep(0.01)
+    print(" ".join(str(p) for p in ctx.pids().values()), flush=True)
+    if how == "sys.exit":
+        sys.exit(3)
+    if how == "raise":
+        raise RuntimeError("the launcher script failed")
+    # "end": falls off the end with the context open
+"""
+
+
+@pytest.mark.parametrize("how, code", [("end", 0), ("sys.exit", 3), ("raise", 1)])
+def test_launcher_exit_without_close_closes_the_normal_way(launcher, tmp_path, how, code):
+    run = launcher(EXIT_SCRIPT, how, str(tmp_path))
+    rc, out, err = run.communicate(60)
+    assert rc == code, err
+    leaders = [int(x) for x in out.split()]
+    children = [int(x) for x in (tmp_path / "children").read_text().split()]
+    # Every rank got the death signal (not a bare SIGKILL) ...
+    assert (tmp_path / "term").read_text().split() == ["term", "term"], err
+    # ... and nothing of theirs is left.
+    assert wait_gone(leaders + children, 1.0) == []
+
+
+def test_keeper_is_no_child_of_the_launcher_and_exits_with_it(launcher, tmp_path):
+    run = launcher("""
+        import sys, time
+        from torchmp import _core
+        _core.backend()
+        print(_core.keeper_pid(), flush=True)
+        time.sleep(30)
+    """)
+    try:
+        line = run.proc.stdout.readline()  # type: ignore[union-attr]
+        keeper = int(line)
+        assert keeper > 0 and pid_alive(keeper)
+        assert keeper not in _descendants(run.proc.pid)
+        assert psutil.Process(keeper).name() == "torchmp-keeper"
+        os.kill(run.proc.pid, signal.SIGKILL)
+        run.proc.wait(10)
+        assert wait_gone([keeper], 2.0) == []
+    finally:
+        run.cleanup()
+
+
+# ---------------------------------------------------------------------------
+# 6. Smaller defects.
+
+NO_GUARD_SCRIPT = """\
+import os, sys
+import torchmp
+from torchmp import DefaultLogsSpecs
+
+
+def work(path):
+    with open(path, "a") as f:
+        f.write(f"{os.getpid()}\\n")
+
+
+# No `if __name__ == "__main__":` guard: a worker that re-imports this
+# module must refuse to start a nested job.
+ctx = torchmp.start_processes(
+    "noguard", work, args={0: (sys.argv[2] + "/ran",), 1: (sys.argv[2] + "/ran",)}, envs=None,
+    logs_specs=DefaultLogsSpecs(log_dir=sys.argv[2] + "/logs"), start_method=sys.argv[1])
+result = ctx.wait(60)
+ctx.close()
+for rank, failure in sorted(result.failures.items()):
+    print(rank, failure.exitcode, str(failure.message).replace("\\n", " ")[:300])
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_script_without_main_guard_fails_clearly_and_never_nests(tmp_path, method):
+    script = tmp_path / "noguard.py"
+    script.write_text(NO_GUARD_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=TORCHMP_PATH + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env[TAG_VAR] = tag = uuid.uuid4().hex
+    try:
+        proc = subprocess.run([sys.executable, str(script), method, str(tmp_path)], env=env, cwd="/",
+                              capture_output=True, text=True, timeout=120, start_new_session=True)
+    finally:
+        kill_tagged(tag)
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # Every rank failed: on its own (exit 1), or stopped by the fail-fast.
+    codes = [line.split()[:2] for line in lines]
+    assert [rank for rank, _ in codes] == ["0", "1"], proc.stdout + proc.stderr[-2000:]
+    assert {code for _, code in codes} <= {"1", "-15"} and "1" in {code for _, code in codes}, codes
+    for line in lines:
+        if line.split()[1] == "1":
+            assert "finished its bootstrapping phase" in line, line
+    assert not (tmp_path / "ran").exists()  # no worker ran the job, nested or not
+    assert wait_no_tagged(tag, 5) == []
