@@ -41,8 +41,8 @@ from typing import Any
 
 from torchmp import _core, _worker
 from torchmp.api import (
-    _CAPTURE, KILL_GRACE_SECONDS, _ExecPlan, _NativeContext, _exec_env, _launcher_environ, handled_signals,
-    logger,
+    _CAPTURE, KILL_GRACE_SECONDS, SignalException, _ExecPlan, _NativeContext, _exec_env, _launcher_environ,
+    handled_signals, logger,
 )
 from torchmp.logs_specs import LogsSpecs
 
@@ -187,24 +187,44 @@ class MultiprocessContext(_NativeContext):
             logger.error("failed to set up the streams of local rank %s of %s: %s",
                          getattr(e, "rank", "?"), self.name, e)
             raise
+        # A signal handler that runs inside CPython's fork hooks (logging
+        # registers some) raises there, and CPython prints and drops what a
+        # hook raises: the launcher would carry on as if no signal had come.
+        # Such interrupts are kept and raised once fork_rank has returned.
+        interrupts: list[BaseException] = []
+        previous_hook = sys.unraisablehook
+
+        def keep_interrupts(unraisable: Any) -> None:
+            if isinstance(unraisable.exc_value, (SignalException, KeyboardInterrupt)):
+                interrupts.append(unraisable.exc_value)
+            else:
+                previous_hook(unraisable)
+
+        sys.unraisablehook = keep_interrupts
         try:
             for rank in range(self.nprocs):
                 # fork_rank records the pid in the group before it returns, so
                 # a signal landing anywhere after the fork cannot lose it.
                 pid, ret_fd = group.fork_rank(rank, on_main_thread, launcher_signals)
                 if pid == 0:
+                    sys.unraisablehook = previous_hook
                     # The child must never unwind into the launcher's frames.
                     try:
                         _fork_child(self.entrypoint, self.args[rank], self.envs[rank],  # type: ignore[arg-type]
                                     ret_fd, launcher_signals)
                     finally:
                         os._exit(1)
+                if interrupts:
+                    raise interrupts[0]
             group.adopt_forked()
         except BaseException as e:
+            sys.unraisablehook = previous_hook
             if isinstance(e, OSError):
                 logger.error("failed to start the workers of %s: %s", self.name, e)
             self._abort_launch(group)
             raise
+        finally:
+            sys.unraisablehook = previous_hook
         group.drop_unstarted()
 
     def _abort_launch(self, group: Any) -> None:
@@ -241,6 +261,15 @@ class MultiprocessContext(_NativeContext):
         for rank in range(self.nprocs):
             if rank not in self._return_blobs:
                 self._return_blobs[rank] = group.take_return(rank)
+
+    def _clean_exit_problem(self, rank: int) -> str | None:
+        # A worker sends its pickled return value (None included) before it
+        # exits; exit code 0 with nothing sent means the function never
+        # returned: os._exit(0) somewhere in it.  (torch 2.13 waits forever
+        # for such a rank's value.)
+        if self._return_blobs.get(rank) or rank in self._return_values_cache:
+            return None
+        return "exited with code 0 without returning a value (os._exit() before the function returned?)"
 
     def _release_foreign(self, pids: list[int]) -> None:
         if pids and self.start_method == "forkserver":

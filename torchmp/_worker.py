@@ -224,6 +224,10 @@ def run(fn: Callable[..., Any], args: tuple[Any, ...], ret_fd: int) -> NoReturn:
             value = fn(*args)
         except SystemExit as e:
             code = _exit_code(e)
+            if code == 0:
+                # sys.exit(0) is a clean end: the launcher gets None.  Only a
+                # worker that skipped all this (os._exit) sends nothing.
+                _write_all(ret_fd, pickle.dumps(None, protocol=pickle.HIGHEST_PROTOCOL))
         except BaseException as e:
             import traceback
 

@@ -581,6 +581,10 @@ class _NativeContext(PContext):
     def _before_release(self, group: Any) -> None:
         """Last chance to take what the native group holds (return values)."""
 
+    def _clean_exit_problem(self, rank: int) -> str | None:
+        """Why a rank that exited with code 0 still failed, if it did."""
+        return None
+
     def _lost_status_reason(self, rank: int) -> str:
         return ("its exit status was lost: another part of this process reaped it "
                 "(a waitpid(-1) or SIGCHLD handler outside torchmp)")
@@ -745,7 +749,14 @@ class _NativeContext(PContext):
                     logger.error(
                         "writing the %s log of local rank %s failed (%s); output after that point "
                         "is missing from the file", what, rank, os.strerror(e))
-            if code != 0:
+            problem = self._clean_exit_problem(rank) if code == 0 else None
+            if problem is not None:
+                failures[rank] = ProcessFailure(
+                    local_rank=rank, pid=pid, exitcode=0, error_file=self.error_files.get(rank, ""),
+                    timestamp_ns=exit_real_ns)
+                if failures[rank].error_file_data.get("message") in (None, "<NONE>"):
+                    failures[rank].message = problem
+            elif code != 0:
                 failures[rank] = ProcessFailure(
                     local_rank=rank,
                     pid=pid,
