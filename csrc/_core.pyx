@@ -9,7 +9,8 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE, PyBytes_FromStri
 from cpython.exc cimport PyErr_CheckSignals
 from libc.errno cimport errno, EINTR
 from libc.stdint cimport int64_t, uint64_t
-from libc.stdlib cimport calloc, free
+from cpython.buffer cimport PyBuffer_FillInfo
+from libc.stdlib cimport calloc, free, realloc
 from libc.string cimport memset, strerror
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 from posix.unistd cimport getpid, fork, close as c_close, _exit, write as c_write
@@ -257,6 +258,30 @@ cdef int stream_spec_fill(torchmp_stream_spec *s, tuple spec, list keep) except 
         s.prefix = PyBytes_AS_STRING(prefix)
         s.prefix_len = <size_t>PyBytes_GET_SIZE(prefix)
     return 0
+
+
+cdef class CaptureBuffer:
+    """Bytes the I/O thread captured (a return value), handed to Python
+    without a copy: a read-only buffer over the native memory, freed with
+    the object.  pickle.loads() reads it directly."""
+
+    cdef char *data
+    cdef Py_ssize_t size
+
+    def __dealloc__(self):
+        free(self.data)
+
+    def __len__(self):
+        return self.size
+
+    def __bytes__(self):
+        return PyBytes_FromStringAndSize(self.data, self.size)
+
+    def __getbuffer__(self, Py_buffer *view, int flags):
+        PyBuffer_FillInfo(view, self, self.data, self.size, 1, flags)
+
+    def __releasebuffer__(self, Py_buffer *view):
+        pass
 
 
 class SpawnError(OSError):
@@ -719,15 +744,25 @@ cdef class Group:
         cdef char *data
         if self.g == NULL:
             raise ValueError("worker group is closed")
+        cdef char *shrunk
+        cdef CaptureBuffer captured
         data = torchmp_group_take_capture(self.g, rank, &n)
         if data == NULL:
             if errno != 0:
                 raise MemoryError(f"the return value of local rank {rank} did not fit in memory")
             return b""
-        try:
-            return PyBytes_FromStringAndSize(data, <Py_ssize_t>n)
-        finally:
+        if n == 0:  # a forkserver worker's channel held only its exit trailer
             free(data)
+            return b""
+        # The capture grew by doubling: give back the slack (for a large
+        # buffer glibc remaps pages rather than copying).
+        shrunk = <char *>realloc(data, n)
+        if shrunk != NULL:
+            data = shrunk
+        captured = CaptureBuffer.__new__(CaptureBuffer)
+        captured.data = data
+        captured.size = <Py_ssize_t>n
+        return captured
 
     def version(self):
         """The group's change counter (it moves with every recorded exit)."""

@@ -617,3 +617,32 @@ def test_script_without_main_guard_fails_clearly_and_never_nests(tmp_path, metho
             assert "finished its bootstrapping phase" in line, line
     assert not (tmp_path / "ran").exists()  # no worker ran the job, nested or not
     assert wait_no_tagged(tag, 5) == []
+
+
+BIG_RETURN_SCRIPT = """
+    import resource, sys
+    import torchmp
+    from torchmp import DefaultLogsSpecs
+
+    def big(n):
+        return b"x" * n
+
+    size = int(sys.argv[2])
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    ctx = torchmp.start_processes("big", big, args={0: (size,)}, envs=None,
+                                  logs_specs=DefaultLogsSpecs(log_dir=sys.argv[1]), start_method="fork")
+    value = ctx.wait(120).return_values[0]
+    assert len(value) == size
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print((peak - base) * 1024 / size)
+"""
+
+
+def test_a_big_return_value_costs_the_launcher_at_most_one_copy(launcher, tmp_path):
+    size = 256 * 2**20
+    run = launcher(BIG_RETURN_SCRIPT, str(tmp_path), str(size))
+    rc, out, err = run.communicate(120)
+    assert rc == 0, err[-2000:]
+    # The value itself plus the captured pickle it is read from; a further
+    # copy (the capture copied into a bytes object first) would make it 3.
+    assert float(out) < 2.5, out

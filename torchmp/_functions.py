@@ -126,7 +126,9 @@ class MultiprocessContext(_NativeContext):
             duplicate_stdout_filters, duplicate_stderr_filters,
         )
         self._return_values_cache: dict[int, Any] = {}
-        self._return_blobs: dict[int, bytes] = {}
+        # Each rank's pickled return value as the I/O thread captured it (no
+        # copy), until unpickled.
+        self._return_blobs: dict[int, Any] = {}
 
     def _check_entrypoint(self, entrypoint: Any, args: dict[int, tuple[Any, ...]],
                           envs: dict[int, dict[str, str]]) -> None:
