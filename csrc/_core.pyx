@@ -594,6 +594,13 @@ cdef class Group:
         for j in range(nsigs):
             sigaddset(&blocked, sigs[j])
         pthread_sigmask(SIG_BLOCK, &blocked, &old_mask)
+        # A handler already due runs now, not inside CPython's fork hooks
+        # (which drop what it raises, and may be left half done by it).
+        try:
+            PyErr_CheckSignals()
+        except BaseException:
+            pthread_sigmask(SIG_SETMASK, &old_mask, NULL)
+            raise
         clock_gettime(CLOCK_MONOTONIC, &now)
         self.fork_ns[rank] = <int64_t>now.tv_sec * 1000000000 + now.tv_nsec
         PyOS_BeforeFork()

@@ -8,6 +8,16 @@
  * kill(-pgid, 0) succeeds for a group that holds nothing else, so it cannot
  * say whether the group has emptied.  The kernel has no per-group member
  * count, so one pass over /proc answers it for every group at once.
+ *
+ * The pass reads the stat file of processes younger than the oldest leader
+ * only: every other member of a group was created after its leader, so its
+ * pid is larger -- unless the pid counter wrapped around since.  A wrap that
+ * left the counter below that leader is seen (ns_last_pid) and the whole of
+ * /proc is read; one full cycle of the pid space within a rank's life would
+ * hide the members that got the small pids (they then get no grace period,
+ * only the final SIGKILL).  Each process costs one getpgid(); only members
+ * have their stat file read (to leave zombies out): reading every process's
+ * stat would cost about 7 us a process.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -29,9 +39,10 @@ static int pid_cmp(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
-/* The state letter and process group of /proc/<name>/stat; 0, or -1 when
- * the process is gone or the file does not parse. */
-static int read_stat(const char *name, char *state, pid_t *pgrp)
+/* The state letter and process group of <dirfd>/<name>/stat (dirfd: /proc,
+ * or AT_FDCWD with an absolute name); 0, or -1 when the process is gone or
+ * the file does not parse. */
+static int read_stat(int dirfd, const char *name, char *state, pid_t *pgrp)
 {
     char path[64], buf[512];
     const char *p;
@@ -39,9 +50,9 @@ static int read_stat(const char *name, char *state, pid_t *pgrp)
     long ppid, pg;
     int fd;
 
-    if (snprintf(path, sizeof(path), "/proc/%s/stat", name) >= (int)sizeof(path))
+    if (snprintf(path, sizeof(path), "%s/stat", name) >= (int)sizeof(path))
         return -1;
-    fd = open(path, O_RDONLY | O_CLOEXEC);
+    fd = openat(dirfd, path, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
         return -1;
     do {
@@ -62,14 +73,32 @@ static int read_stat(const char *name, char *state, pid_t *pgrp)
 
 int torchmp_pid_exited(pid_t pid)
 {
-    char name[24], state;
+    char name[32], state;
     pid_t pgrp;
     if (kill(pid, 0) != 0 && errno == ESRCH)
         return 1;
-    snprintf(name, sizeof(name), "%d", (int)pid);
-    if (read_stat(name, &state, &pgrp) != 0)
+    snprintf(name, sizeof(name), "/proc/%d", (int)pid);
+    if (read_stat(AT_FDCWD, name, &state, &pgrp) != 0)
         return errno == ENOENT || errno == ESRCH;
     return state == 'Z' || state == 'X';
+}
+
+/* The pid the kernel handed out last in our pid namespace, or -1. */
+static long last_pid(void)
+{
+    char buf[32];
+    ssize_t n;
+    int fd = open("/proc/sys/kernel/ns_last_pid", O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    do {
+        n = read(fd, buf, sizeof(buf) - 1);
+    } while (n < 0 && errno == EINTR);
+    close(fd);
+    if (n <= 0)
+        return -1;
+    buf[n] = '\0';
+    return strtol(buf, NULL, 10);
 }
 
 int torchmp_pgroups_alive(const pid_t *pgids, int n, unsigned char *alive)
@@ -77,6 +106,7 @@ int torchmp_pgroups_alive(const pid_t *pgids, int n, unsigned char *alive)
     pid_t *sorted;
     DIR *dir;
     struct dirent *de;
+    pid_t oldest;
     int found = 0;
 
     for (int i = 0; i < n; i++)
@@ -88,6 +118,10 @@ int torchmp_pgroups_alive(const pid_t *pgids, int n, unsigned char *alive)
         return -1;
     memcpy(sorted, pgids, (size_t)n * sizeof(pid_t));
     qsort(sorted, (size_t)n, sizeof(pid_t), pid_cmp);
+    {
+        long last = last_pid();
+        oldest = last >= (long)sorted[0] ? sorted[0] : 0; /* 0: wrapped (or unknown), read all */
+    }
     dir = opendir("/proc");
     if (dir == NULL) {
         int saved = errno;
@@ -101,12 +135,20 @@ int torchmp_pgroups_alive(const pid_t *pgids, int n, unsigned char *alive)
         pid_t *hit;
         if (de->d_name[0] < '1' || de->d_name[0] > '9')
             continue;
-        if (read_stat(de->d_name, &state, &pgrp) != 0)
+        if (oldest > 0 && strtol(de->d_name, NULL, 10) <= (long)oldest)
+            continue;              /* older than every leader: in none of the groups */
+        /* getpgid() is one cheap system call; the stat file (which the
+         * kernel formats field by field) is read only for members, to
+         * leave out zombies. */
+        pgrp = getpgid((pid_t)strtol(de->d_name, NULL, 10));
+        if (pgrp <= 0)
             continue;              /* exited meanwhile */
-        if (state == 'Z' || state == 'X')
-            continue;
         hit = bsearch(&pgrp, sorted, (size_t)n, sizeof(pid_t), pid_cmp);
         if (hit == NULL)
+            continue;
+        if (read_stat(dirfd(dir), de->d_name, &state, &pgrp) != 0)
+            continue;
+        if (state == 'Z' || state == 'X')
             continue;
         for (int i = 0; i < n; i++) {
             if (pgids[i] == pgrp && !alive[i]) {

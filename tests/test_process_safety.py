@@ -561,6 +561,9 @@ def test_keeper_is_no_child_of_the_launcher_and_exits_with_it(launcher, tmp_path
         keeper = int(line)
         assert keeper > 0 and pid_alive(keeper)
         assert keeper not in _descendants(run.proc.pid)
+        deadline = time.monotonic() + 5  # it names itself just after it starts
+        while psutil.Process(keeper).name() != "torchmp-keeper" and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert psutil.Process(keeper).name() == "torchmp-keeper"
         os.kill(run.proc.pid, signal.SIGKILL)
         run.proc.wait(10)
