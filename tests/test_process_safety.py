@@ -395,6 +395,15 @@ INTERRUPT_SCRIPT = """
                 pass
         return found
 
+    def by_signal(exc):
+        # SignalException, or what it caused where it landed (e.g. the
+        # EBADF of a shutil.rmtree it interrupted): the launch was stopped.
+        while exc is not None:
+            if isinstance(exc, SignalException):
+                return True
+            exc = exc.__context__
+        return False
+
     # How long one launch takes here: the signals land all over it.
     t0 = time.monotonic()
     launch().close(signal.SIGKILL, 5)
@@ -411,9 +420,13 @@ INTERRUPT_SCRIPT = """
                 deadline = time.monotonic() + 5
                 while time.monotonic() < deadline:
                     time.sleep(0.001)
-            except SignalException:
+            except Exception as e:
+                if not by_signal(e):
+                    raise
                 interrupted += 1
-        except SignalException:  # landed in the except clause above
+        except Exception as e:  # landed in the except clause above
+            if not by_signal(e):
+                raise
             interrupted += 1
         killer.stdout.readline()  # it sent this run's one signal
         # Whatever a context knows about is closed; anything alive after
