@@ -56,6 +56,9 @@ cdef extern from *:
     int TORCHMP_PORTABLE_BUILD
 
 __version__ = TORCHMP_VERSION.decode()
+# Whether collect_exit() reads a zombie's rusage without reaping it (Linux's
+# waitid system call); elsewhere rusage comes only with the reap.
+COLLECT_HAS_RUSAGE = not TORCHMP_PORTABLE_BUILD
 PORTABLE_BUILD = bool(TORCHMP_PORTABLE_BUILD)
 
 STREAM_INHERIT = TORCHMP_STREAM_INHERIT

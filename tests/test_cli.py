@@ -409,9 +409,7 @@ def test_signal_terminates_workers(torchmp_cli, tmp_path, sig):
                     "sh", "-c", f'sleep 30 & echo $$ > {tmp_path}/pid.$RANK.tmp; '
                                 f'mv {tmp_path}/pid.$RANK.tmp {tmp_path}/pid.$RANK; wait')
     pids = _wait_files([tmp_path / "pid.0", tmp_path / "pid.1"])
-    # torchmp run, its keeper, 2 workers, 2 grandchildren
-    assert sorted(p.name() for p in tagged(c.tag)).count("torchmp-keeper") == 1
-    assert len(tagged(c.tag)) == 6
+    assert len(tagged(c.tag)) == 6  # torchmp run, its keeper, 2 workers, 2 grandchildren
     os.kill(c.proc.pid, sig)
     code, out, err = c.communicate()
     assert code == 128 + sig

@@ -9,6 +9,7 @@ from typing import Final
 
 __version__: Final[str]
 PORTABLE_BUILD: Final[bool]
+COLLECT_HAS_RUSAGE: Final[bool]
 
 STREAM_INHERIT: Final[int]
 STREAM_FILE: Final[int]

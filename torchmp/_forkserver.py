@@ -296,7 +296,13 @@ def server_main() -> None:
             if exited is None:
                 continue
             fd = ret_fds.pop(pid)
-            held.add(pid)
+            if _core.COLLECT_HAS_RUSAGE:
+                held.add(pid)
+            else:
+                # No rusage without reaping here: reap now (the pid is then
+                # no longer pinned on such systems).
+                _, status, ru = os.wait4(pid, 0)
+                exited = (status, int(ru.ru_utime * 1e9), int(ru.ru_stime * 1e9), ru.ru_maxrss)
             try:
                 _worker._write_all(fd, _trailer(*exited))
             except OSError:
