@@ -366,9 +366,13 @@ INTERRUPT_SCRIPT = """
     from torchmp import api, DefaultLogsSpecs, SignalException
 
     method, runs, nprocs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    specs = DefaultLogsSpecs(log_dir=sys.argv[4])
+    launches = iter(range(1_000_000))
 
     def launch():
+        # A log dir per launch: reify() removes an old attempt's directory
+        # with shutil.rmtree(ignore_errors=True), which can swallow the
+        # interrupt and leave the directory half removed.
+        specs = DefaultLogsSpecs(log_dir=os.path.join(sys.argv[4], str(next(launches))))
         if method == "exec":
             return torchmp.start_processes("intr", "sleep", args={r: ("30",) for r in range(nprocs)},
                                            envs=None, logs_specs=specs)
