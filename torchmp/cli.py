@@ -30,6 +30,10 @@ the command cannot be found         127 (126: found but not executable)
 
 Log files are laid out as ``torchrun``'s:
 ``{log_dir}/{run_id}_<random>/attempt_0/{local_rank}/{stdout.log,stderr.log,error.json}``.
+
+A console that is closed or gone (``| head -1``, a terminal that went away)
+is not an error: it is dropped -- its fd is pointed at ``/dev/null`` -- while
+the log files stay complete and the exit status stays the workers'.
 """
 
 from __future__ import annotations
@@ -83,6 +87,13 @@ class _SetupError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
+    def _print_message(self, message: str, file: Any = None) -> None:
+        # argparse swallows a failed write, but what a block-buffered stdout
+        # holds is written by the interpreter's last flush: failing there, it
+        # prints "Exception ignored ..." and exits 120 instead of 0 or 2.
+        if message:
+            _write_console(file or sys.stderr, message)
+
     def error(self, message: str) -> NoReturn:
         # argparse's own format ("usage: ...", "prog: error: ..."), exit code 2.
         self.print_usage(sys.stderr)
@@ -420,9 +431,76 @@ def _describe_mkdir_error(e: OSError, requested: str) -> str:
 # Reporting
 
 
+#: Write errors that mean the console is closed (EPIPE: the reader of a pipe
+#: went away) or gone (EIO: a terminal whose master side was closed).
+_CONSOLE_GONE = frozenset((errno.EPIPE, errno.EIO))
+
+
+def _console_gone(e: BaseException | None) -> bool:
+    return isinstance(e, OSError) and e.errno in _CONSOLE_GONE
+
+
+def _drop_console(stream: Any) -> None:
+    """Point the fd of a console that is closed or gone at /dev/null.
+
+    Whatever is still buffered, and anything written later (by this module,
+    the native core's copy of the workers' lines, the interpreter's last
+    flush at exit), then goes nowhere without an error, so a closed console
+    changes neither the exit status nor what reaches the log files.
+    """
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        fd = -1  # not a file: nothing to repoint, the error is swallowed only
+    if fd >= 0:
+        try:
+            null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+        except OSError:
+            null = -1
+        if null >= 0:
+            try:
+                if null != fd:
+                    os.dup2(null, fd)  # fds 0-2 stay inheritable, as they were
+            except OSError:
+                pass
+            finally:
+                if null != fd:
+                    os.close(null)
+    try:
+        stream.flush()  # what the failed write left in the buffer: to /dev/null
+    except (OSError, ValueError):
+        pass
+
+
+def _write_console(stream: Any, text: str) -> None:
+    """Write and flush ``text``; a console that is closed or gone is dropped."""
+    try:
+        stream.write(text)
+        stream.flush()
+    except OSError as e:
+        if not _console_gone(e):
+            raise
+        _drop_console(stream)
+
+
+def _settle_console() -> None:
+    """Flush stdout and stderr, dropping either if it is closed or gone, so the
+    interpreter's own flush at exit finds nothing to fail on (which would
+    print "Exception ignored ... BrokenPipeError" and exit 120)."""
+    for stream in (sys.stdout, sys.stderr):
+        if stream is None:
+            continue
+        try:
+            stream.flush()
+        except OSError as e:
+            if _console_gone(e):
+                _drop_console(stream)
+        except ValueError:  # closed by someone else
+            pass
+
+
 def _say(message: str) -> None:
-    sys.stderr.write(f"torchmp: {message}\n")
-    sys.stderr.flush()
+    _write_console(sys.stderr, f"torchmp: {message}\n")
 
 
 def exit_code_for(failure: ProcessFailure) -> int:
@@ -507,10 +585,21 @@ def _install_handlers() -> None:
         signal.signal(sig, _raise_signal_exception)
 
 
+class _ConsoleHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """A StreamHandler that drops a console that is closed or gone instead of
+    printing "--- Logging error ---" and a traceback about it."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if _console_gone(sys.exc_info()[1]):
+            _drop_console(self.stream)
+            return
+        super().handleError(record)
+
+
 def _configure_logging() -> None:
     log = logging.getLogger("torchmp")
     if not any(getattr(h, "_torchmp_cli", False) for h in log.handlers):
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _ConsoleHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("torchmp: %(message)s"))
         handler._torchmp_cli = True  # type: ignore[attr-defined]
         log.addHandler(handler)
@@ -618,17 +707,27 @@ class _Run:
         if self.signal is not None:
             _say(f"got {self.signal.name}: terminated the workers")
         elif self.result is not None and self.result.failures:
-            sys.stderr.write(self._child_failed_error().format_msg() + "\n")
+            _write_console(sys.stderr, self._child_failed_error().format_msg() + "\n")
         if self.plan.summary:
-            sys.stderr.write(format_summary(
+            _write_console(sys.stderr, format_summary(
                 self.plan.name, self.plan.nproc, self.plan.global_rank, self.result,
                 self.notes(), self.exit_code(), time.monotonic() - self.started,
                 self.terminated()))
-        sys.stderr.flush()
 
 
 def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
-    """Entry point of ``torchmp run``; returns the exit status."""
+    """Entry point of ``torchmp run``; returns the exit status.
+
+    A console (stdout or stderr) that is closed or gone is dropped, not an
+    error: the exit status is the one a healthy console would have got.
+    """
+    try:
+        return _main(argv, prog)
+    finally:
+        _settle_console()
+
+
+def _main(argv: Sequence[str] | None, prog: str) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(prog)
     options, command = _split_command(argv)
