@@ -9,9 +9,11 @@
  * say whether the group has emptied.  The kernel has no per-group member
  * count, so one pass over /proc answers it for every group at once.
  *
- * The pass reads the stat file of processes younger than the oldest leader
- * only: every other member of a group was created after its leader, so its
- * pid is larger -- unless the pid counter wrapped around since.  A wrap that
+ * The pass looks at processes younger than the oldest leader only: every
+ * other member of a group was created after its leader, so its pid is
+ * larger -- unless the pid counter wrapped around since.  When few pids were
+ * handed out since (a short job), each is asked for directly instead of
+ * listing /proc.  A wrap that
  * left the counter below that leader is seen (ns_last_pid) and the whole of
  * /proc is read; one full cycle of the pid space within a rank's life would
  * hide the members that got the small pids (they then get no grace period,
@@ -32,6 +34,10 @@
 #include <string.h>
 #include <signal.h>
 #include <unistd.h>
+
+/* Pids handed out since the oldest leader up to which asking each one
+ * beats listing /proc. */
+#define DIRECT_SCAN_MAX 4096
 
 static int pid_cmp(const void *a, const void *b)
 {
@@ -101,12 +107,42 @@ static long last_pid(void)
     return strtol(buf, NULL, 10);
 }
 
+/* Whether pid is a living member of one of the groups (sorted: pgids in
+ * order); marks alive[] and returns how many groups it newly showed alive.
+ * getpgid() is one cheap system call; the stat file (which the kernel
+ * formats field by field) is read only for members, to leave out zombies. */
+static int check_member(pid_t pid, int dirfd, const char *name, const pid_t *pgids, const pid_t *sorted, int n,
+                        unsigned char *alive)
+{
+    char path[32], state;
+    pid_t pgrp = getpgid(pid);
+    int found = 0;
+    if (pgrp <= 0)
+        return 0;                  /* gone (or exited meanwhile) */
+    if (pid == pgrp || bsearch(&pgrp, sorted, (size_t)n, sizeof(pid_t), pid_cmp) == NULL)
+        return 0;                  /* not a member; or the leader, a zombie the caller holds */
+    if (name == NULL) {
+        snprintf(path, sizeof(path), "/proc/%d", (int)pid);
+        name = path;
+    }
+    if (read_stat(dirfd, name, &state, &pgrp) != 0 || state == 'Z' || state == 'X')
+        return 0;
+    for (int i = 0; i < n; i++) {
+        if (pgids[i] == pgrp && !alive[i]) {
+            alive[i] = 1;
+            found++;
+        }
+    }
+    return found;
+}
+
 int torchmp_pgroups_alive(const pid_t *pgids, int n, unsigned char *alive)
 {
     pid_t *sorted;
     DIR *dir;
     struct dirent *de;
     pid_t oldest;
+    long last_seen;
     int found = 0;
 
     for (int i = 0; i < n; i++)
@@ -118,9 +154,16 @@ int torchmp_pgroups_alive(const pid_t *pgids, int n, unsigned char *alive)
         return -1;
     memcpy(sorted, pgids, (size_t)n * sizeof(pid_t));
     qsort(sorted, (size_t)n, sizeof(pid_t), pid_cmp);
-    {
-        long last = last_pid();
-        oldest = last >= (long)sorted[0] ? sorted[0] : 0; /* 0: wrapped (or unknown), read all */
+    last_seen = last_pid();
+    oldest = last_seen >= (long)sorted[0] ? sorted[0] : 0; /* 0: wrapped (or unknown), read all */
+    if (oldest > 0 && last_seen - (long)oldest <= DIRECT_SCAN_MAX) {
+        /* Few pids were handed out since the oldest leader: ask each of
+         * them directly, no directory listing (whose entries for new
+         * processes the kernel builds on first sight: 4x the cost). */
+        for (long pid = (long)oldest + 1; pid <= last_seen; pid++)
+            found += check_member((pid_t)pid, AT_FDCWD, NULL, pgids, sorted, n, alive);
+        free(sorted);
+        return found;
     }
     dir = opendir("/proc");
     if (dir == NULL) {
@@ -130,32 +173,12 @@ int torchmp_pgroups_alive(const pid_t *pgids, int n, unsigned char *alive)
         return -1;
     }
     while ((de = readdir(dir)) != NULL) {
-        char state;
-        pid_t pgrp;
-        pid_t *hit;
         if (de->d_name[0] < '1' || de->d_name[0] > '9')
             continue;
         if (oldest > 0 && strtol(de->d_name, NULL, 10) <= (long)oldest)
             continue;              /* older than every leader: in none of the groups */
-        /* getpgid() is one cheap system call; the stat file (which the
-         * kernel formats field by field) is read only for members, to
-         * leave out zombies. */
-        pgrp = getpgid((pid_t)strtol(de->d_name, NULL, 10));
-        if (pgrp <= 0)
-            continue;              /* exited meanwhile */
-        hit = bsearch(&pgrp, sorted, (size_t)n, sizeof(pid_t), pid_cmp);
-        if (hit == NULL)
-            continue;
-        if (read_stat(dirfd(dir), de->d_name, &state, &pgrp) != 0)
-            continue;
-        if (state == 'Z' || state == 'X')
-            continue;
-        for (int i = 0; i < n; i++) {
-            if (pgids[i] == pgrp && !alive[i]) {
-                alive[i] = 1;
-                found++;
-            }
-        }
+        found += check_member((pid_t)strtol(de->d_name, NULL, 10), dirfd(dir), de->d_name, pgids, sorted, n,
+                              alive);
     }
     closedir(dir);
     free(sorted);
