@@ -241,8 +241,11 @@ def test_background_helper_of_an_exited_rank_gets_the_death_signal(tmp_path):
     """A rank that succeeded left a helper in its group: close() (called by
     wait() once the result is in) gives it SIGTERM first, not SIGKILL."""
     mark = tmp_path / "helper"
-    helper = (f'( trap \'echo term > "{mark}"; exit 0\' TERM; echo $$ > /dev/null; '
-              f'while :; do sleep 0.05; done ) & echo started > "{mark}.up"; exit 0')
+    # The helper says it is up once its trap is set: a SIGTERM before that
+    # would kill it without a word (the close() follows the leader's exit
+    # within a millisecond).
+    helper = (f'( trap \'echo term > "{mark}"; exit 0\' TERM; echo started > "{mark}.up"; '
+              f'while :; do sleep 0.05; done ) & exit 0')
     ctx = torchmp.start_processes("helper", "sh", args={0: ("-c", helper)}, envs=None,
                                   logs_specs=torchmp.DefaultLogsSpecs(log_dir=str(tmp_path / "logs")))
     try:
