@@ -60,7 +60,7 @@ if SANITIZE:
     compile_args += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g"]
     link_args += ["-fsanitize=address,undefined"]
 
-C_SOURCES = ["csrc/spawn.c", "csrc/framer.c", "csrc/poller.c", "csrc/loop.c", "csrc/keeper.c", "csrc/procscan.c"]
+C_SOURCES = ["csrc/spawn.c", "csrc/framer.c", "csrc/console.c", "csrc/poller.c", "csrc/loop.c", "csrc/keeper.c", "csrc/procscan.c"]
 
 extension = Extension(
     "torchmp._core",

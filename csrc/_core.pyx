@@ -247,12 +247,27 @@ cdef char **cstring_array(list items, list keep) except NULL:
 
 
 cdef int stream_spec_fill(torchmp_stream_spec *s, tuple spec, list keep) except -1:
-    """(mode, fd, console, prefix[, timestamps]) -> a C stream spec."""
+    """(mode, fd, console, prefix[, timestamps[, log_path[, backlog]]]) -> a
+    C stream spec.  console: the launcher's fd 1 or 2, -1 for none, or a
+    QueueConsole; log_path: bytes or None; backlog: the console bound."""
     mode, fd, console, prefix = spec[:4]
     s.timestamps = bool(spec[4]) if len(spec) > 4 else 0
+    log_path = spec[5] if len(spec) > 5 else None
+    s.backlog_limit = <size_t>(spec[6] if len(spec) > 6 else DEFAULT_CONSOLE_BACKLOG)
     s.mode = mode
     s.fd = fd
-    s.console = console
+    s.sink = NULL
+    if isinstance(console, QueueConsole):
+        keep.append(console)
+        s.sink = (<QueueConsole>console).c
+        s.console = -1
+    else:
+        s.console = console
+    if log_path is None:
+        s.log_path = NULL
+    else:
+        keep.append(log_path)
+        s.log_path = PyBytes_AS_STRING(log_path)
     if prefix is None:
         s.prefix = NULL
         s.prefix_len = 0
@@ -895,40 +910,111 @@ cdef class Group:
             self._leave()
 
 
-def frame(int fd, bytes prefix not None, list chunks, Py_ssize_t max_line=256 * 1024, Py_ssize_t scratch=4096,
-          bint timestamps=False):
-    """Run the console line framer over chunks, writing to fd.
+DEFAULT_CONSOLE_BACKLOG = 4 * 1024 * 1024
 
-    For tests: the framer the I/O thread uses, fed by hand (scratch: the
-    size of its line-assembly buffer; 0 for none).
+
+cdef class QueueConsole:
+    """A console whose framed lines are taken by Python (for a sys.stdout /
+    sys.stderr object that is not the process's own fd 1 / 2).  The I/O
+    thread only appends to it: it never needs the GIL.  fileno() is readable
+    while bytes wait; take() returns them (marker lines included)."""
+    cdef torchmp_console *c
+
+    def __cinit__(self):
+        self.c = torchmp_console_new_queue()
+        if self.c == NULL:
+            check(-1, b"console")
+
+    def __dealloc__(self):
+        if self.c != NULL:
+            torchmp_console_unref(self.c)
+            self.c = NULL
+
+    def fileno(self) -> int:
+        return torchmp_console_notify_fd(self.c)
+
+    def take(self) -> bytes:
+        cdef size_t n = 0
+        cdef char *data
+        with nogil:
+            data = torchmp_console_take(self.c, &n)
+        if data == NULL:
+            return b""
+        try:
+            return PyBytes_FromStringAndSize(data, <Py_ssize_t>n)
+        finally:
+            free(data)
+
+    def pending(self) -> int:
+        return torchmp_console_pending(self.c)
+
+
+def consoles_pending(int fd=-1) -> int:
+    """Bytes waiting for the launcher's fd 1 / fd 2 consoles (0: caught up);
+    fd >= 0: only for the console of what fd refers to."""
+    cdef size_t n
+    with nogil:
+        n = torchmp_consoles_pending(fd)
+    return n
+
+
+def frame(int fd, bytes prefix not None, list chunks, Py_ssize_t max_line=256 * 1024, Py_ssize_t scratch=4096,
+          bint timestamps=False, Py_ssize_t backlog=DEFAULT_CONSOLE_BACKLOG, bytes log_path=None):
+    """Run the console line framer over chunks, showing the lines on fd.
+
+    For tests: the framer and console the I/O thread use, fed by hand.
+    chunks holds bytes (fed at the current time) and numbers (seconds: the
+    test's clock moves on by that much and the time rules run); scratch is
+    the size of the line-assembly buffer (0 for none).  Returns the bytes
+    still waiting in the console's backlog (fd did not take them).
     """
     cdef torchmp_framer f
     cdef torchmp_line_sinks sinks
-    cdef int console = fd
-    cdef int console_errno = 0
+    cdef torchmp_console_source source
+    cdef torchmp_console *console
     cdef int filtered = -1
     cdef int filtered_errno = 0
+    cdef int64_t now = 1000000000
+    cdef int broken
     memset(&sinks, 0, sizeof(sinks))
+    memset(&source, 0, sizeof(source))
+    for chunk in chunks:
+        if not isinstance(chunk, (bytes, int, float)):
+            raise TypeError(f"chunks must be bytes or seconds, got {type(chunk).__name__}")
+    console = torchmp_console_open_fd(fd)
+    if console == NULL:
+        check(-1, b"console")
     scratch_buf = bytearray(scratch)
     if scratch > 0:
         sinks.console_buf = <char *>scratch_buf
         sinks.scratch_cap = <size_t>scratch
-    sinks.console_fd = &console
-    sinks.console_errno = &console_errno
+    source.id = 1
+    source.prefix = PyBytes_AS_STRING(prefix)
+    source.prefix_len = <size_t>PyBytes_GET_SIZE(prefix)
+    source.log_path = PyBytes_AS_STRING(log_path) if log_path is not None else NULL
+    source.limit = <size_t>backlog
+    sinks.console = console
+    sinks.source = &source
     sinks.filtered_fd = &filtered
     sinks.filtered_errno = &filtered_errno
     sinks.needles = NULL
     torchmp_framer_init(&f, PyBytes_AS_STRING(prefix), <size_t>PyBytes_GET_SIZE(prefix), <size_t>max_line)
     f.timestamps = timestamps
-    for chunk in chunks:
-        if not isinstance(chunk, bytes):
-            raise TypeError(f"chunks must be bytes, got {type(chunk).__name__}")
     try:
         for chunk in chunks:
-            if torchmp_framer_feed(&f, PyBytes_AS_STRING(chunk), <size_t>PyBytes_GET_SIZE(chunk), &sinks) != 0:
-                check(-1, b"framing")
+            if isinstance(chunk, bytes):
+                if torchmp_framer_feed(&f, PyBytes_AS_STRING(chunk), <size_t>PyBytes_GET_SIZE(chunk), now,
+                                       &sinks) != 0:
+                    check(-1, b"framing")
+            else:
+                now += <int64_t>(chunk * 1e9)
+                torchmp_framer_tick(&f, now, &sinks)
         torchmp_framer_flush(&f, &sinks)
+        torchmp_console_pump(console)
+        broken = torchmp_console_broken(console)
+        if broken:
+            raise OSError(broken, strerror(broken).decode())
+        return torchmp_console_pending(console)
     finally:
         torchmp_framer_free(&f)
-    if console_errno:
-        raise OSError(console_errno, strerror(console_errno).decode())
+        torchmp_console_unref(console)

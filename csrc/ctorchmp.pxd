@@ -40,23 +40,49 @@ cdef extern from "torchmp.h" nogil:
         char **data
         size_t *len
 
+    ctypedef struct torchmp_console:
+        pass
+
+    ctypedef struct torchmp_console_source:
+        uint64_t id
+        const char *prefix
+        size_t prefix_len
+        const char *log_path
+        size_t limit
+
+    torchmp_console *torchmp_console_open_fd(int fd)
+    torchmp_console *torchmp_console_new_queue()
+    torchmp_console *torchmp_console_ref(torchmp_console *c)
+    void torchmp_console_unref(torchmp_console *c)
+    int torchmp_console_submit(torchmp_console *c, const torchmp_console_source *src, const char *data, size_t len)
+    int torchmp_console_pump(torchmp_console *c)
+    char *torchmp_console_take(torchmp_console *c, size_t *len)
+    int torchmp_console_notify_fd(const torchmp_console *c)
+    size_t torchmp_console_pending(torchmp_console *c)
+    int torchmp_console_broken(torchmp_console *c)
+    size_t torchmp_consoles_pending(int fd)
+
     ctypedef struct torchmp_framer:
         int timestamps
+        int64_t deadline_ns
 
     ctypedef struct torchmp_line_sinks:
         char *console_buf
         char *filtered_buf
         size_t scratch_cap
-        int *console_fd
+        torchmp_console *console
+        const torchmp_console_source *source
+        int console_waiting
         int *filtered_fd
         const torchmp_needles *needles
-        int *console_errno
         int *filtered_errno
 
     void torchmp_framer_init(torchmp_framer *f, const char *prefix, size_t prefix_len, size_t max_line)
     void torchmp_framer_free(torchmp_framer *f)
-    int torchmp_framer_feed(torchmp_framer *f, const char *data, size_t len, const torchmp_line_sinks *sinks)
-    void torchmp_framer_flush(torchmp_framer *f, const torchmp_line_sinks *sinks)
+    int torchmp_framer_feed(torchmp_framer *f, const char *data, size_t len, int64_t now_ns,
+                            torchmp_line_sinks *sinks)
+    void torchmp_framer_tick(torchmp_framer *f, int64_t now_ns, torchmp_line_sinks *sinks)
+    void torchmp_framer_flush(torchmp_framer *f, torchmp_line_sinks *sinks)
 
     enum:
         TORCHMP_BACKEND_EPOLL
@@ -72,9 +98,12 @@ cdef extern from "torchmp.h" nogil:
         int mode
         int fd
         int console
+        torchmp_console *sink
         const char *prefix
         size_t prefix_len
         int timestamps
+        const char *log_path
+        size_t backlog_limit
 
     ctypedef struct torchmp_rank_spec:
         torchmp_spawn_args args

@@ -63,11 +63,23 @@
 
 /* What a watch in the I/O thread's set is: the first int of its pointer.  The
  * pidfds in the exits set point at their torchmp_proc directly. */
-enum watch_kind { WATCH_CONTROL = 1, WATCH_STREAM = 2, WATCH_EXITS = 3 };
+enum watch_kind { WATCH_CONTROL = 1, WATCH_STREAM = 2, WATCH_EXITS = 3, WATCH_CONSOLE = 4 };
+
+/* A console the loop writes to the launcher's fd 1 or 2 through (console.c),
+ * one per target, shared by every stream teed there. */
+typedef struct console_entry {
+    int kind;                  /* WATCH_CONSOLE: first member, for dispatch */
+    torchmp_console *console;
+    int users;                 /* streams writing to it */
+    int watched;               /* 1: in the poller for writability (bytes wait);
+                                * -1: pumped on a timer instead; 0: idle */
+    int watched_fd;            /* the fd registered (the console may close it) */
+    struct console_entry *next;
+} console_entry;
 
 typedef struct torchmp_proc torchmp_proc;
 
-typedef struct {
+typedef struct stream {
     int kind;                  /* WATCH_STREAM: first member, for dispatch */
     int fd;                    /* pipe read end; -1 when not teed or closed */
     int log_fd;                /* -1: none, or switched off after an error */
@@ -75,6 +87,15 @@ typedef struct {
     int which;                 /* STREAM_OUT, STREAM_ERR or STREAM_RET */
     char *prefix;
     torchmp_framer framer;
+    /* TEE with a console: where the lines are shown, and what they are for
+     * the console's bound and marker line */
+    torchmp_console *console;
+    console_entry *console_entry;      /* fd consoles: the loop's entry */
+    torchmp_console_source source;
+    char *log_path;
+    /* on L->timed while the framer has a deadline (loop thread) */
+    struct stream *timed_prev, *timed_next;
+    int timed;
     /* STREAM_RET: the bytes read so far (mu: Python takes them) */
     char *capture;
     size_t capture_len, capture_cap;
@@ -169,6 +190,14 @@ typedef struct torchmp_loop {
     long pipe_budget;          /* pipe capacity we may still add to busy streams */
     char *console_scratch;     /* framed console lines are assembled here */
     char *filtered_scratch;
+    /* fd consoles (list changes under mu: Python reads the backlogs) */
+    console_entry *consoles;
+    /* streams whose framer has a deadline, and the earliest (a lower bound
+     * once streams leave the list: waking early costs one pass) */
+    struct stream *timed;
+    int64_t next_deadline_ns;
+    uint64_t stream_serial;
+    int consoles_polled;       /* some console waits on a timer, not the poller */
     int use_vfork;
     long max_fd;
 } torchmp_loop;
@@ -283,7 +312,135 @@ static int install_sigchld(int wake_fd)
     return sigaction(SIGCHLD, &sa, &previous_sigchld);
 }
 
+/* ---- consoles ----------------------------------------------------------- */
+
+/* The console for what the launcher's fd refers to now (one per target), or
+ * NULL with errno.  Loop thread. */
+static console_entry *console_entry_for_fd(torchmp_loop *L, int fd)
+{
+    console_entry *e;
+    for (e = L->consoles; e != NULL; e = e->next) {
+        if (torchmp_console_same_target(e->console, fd)) {
+            e->users++;
+            return e;
+        }
+    }
+    e = calloc(1, sizeof(*e));
+    if (e == NULL)
+        return NULL;
+    e->kind = WATCH_CONSOLE;
+    e->console = torchmp_console_open_fd(fd);
+    if (e->console == NULL) {
+        int saved = errno;
+        free(e);
+        errno = saved;
+        return NULL;
+    }
+    e->users = 1;
+    pthread_mutex_lock(&L->mu);
+    e->next = L->consoles;
+    L->consoles = e;
+    pthread_mutex_unlock(&L->mu);
+    return e;
+}
+
+/* Free an fd console nobody writes to once it has nothing left to show. */
+static void console_entry_maybe_free(torchmp_loop *L, console_entry *e)
+{
+    console_entry **link;
+    if (e->users > 0 || e->watched)
+        return;
+    pthread_mutex_lock(&L->mu);
+    for (link = &L->consoles; *link != NULL; link = &(*link)->next) {
+        if (*link == e) {
+            *link = e->next;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&L->mu);
+    torchmp_console_unref(e->console);
+    free(e);
+}
+
+/* Bytes wait in the console: write the rest when its fd takes more. */
+static void console_entry_watch(torchmp_loop *L, console_entry *e)
+{
+    int fd;
+    if (e->watched)
+        return;
+    fd = torchmp_console_fd(e->console);
+    if (fd >= 0 && torchmp_poller_add_writable(L->poller, fd, e) == 0) {
+        e->watched = 1;
+        e->watched_fd = fd;
+        return;
+    }
+    /* A target epoll cannot watch (a regular file someone made
+     * non-blocking), or no memory: retry on a short timer instead. */
+    e->watched = -1;
+    L->consoles_polled = 1;
+}
+
+static void console_entry_writable(torchmp_loop *L, console_entry *e);
+
+/* Pump the consoles that could not be watched; 1 while any still waits. */
+static int consoles_poll(torchmp_loop *L)
+{
+    int left = 0;
+    console_entry *e, *next;
+    for (e = L->consoles; e != NULL; e = next) {
+        next = e->next;
+        if (e->watched == -1) {
+            console_entry_writable(L, e);
+            left = 1;
+        }
+    }
+    return left;
+}
+
+static void console_entry_writable(torchmp_loop *L, console_entry *e)
+{
+    if (torchmp_console_pump(e->console))
+        return;
+    /* By the number it was registered with: a console that broke closed
+     * its fd already (epoll dropped it then; the poll backend has not). */
+    if (e->watched == 1)
+        (void)torchmp_poller_del(L->poller, e->watched_fd);
+    e->watched = 0;
+    console_entry_maybe_free(L, e);
+}
+
 /* ---- streams ------------------------------------------------------------ */
+
+static void timed_add(torchmp_loop *L, stream *s)
+{
+    int64_t d = s->framer.deadline_ns;
+    if (d == 0)
+        return;
+    if (!s->timed) {
+        s->timed = 1;
+        s->timed_prev = NULL;
+        s->timed_next = L->timed;
+        if (L->timed != NULL)
+            L->timed->timed_prev = s;
+        L->timed = s;
+    }
+    if (L->next_deadline_ns == 0 || d < L->next_deadline_ns)
+        L->next_deadline_ns = d;
+}
+
+static void timed_remove(torchmp_loop *L, stream *s)
+{
+    if (!s->timed)
+        return;
+    if (s->timed_prev != NULL)
+        s->timed_prev->timed_next = s->timed_next;
+    else
+        L->timed = s->timed_next;
+    if (s->timed_next != NULL)
+        s->timed_next->timed_prev = s->timed_prev;
+    s->timed = 0;
+    s->timed_prev = s->timed_next = NULL;
+}
 
 static torchmp_line_sinks stream_sinks(stream *s)
 {
@@ -292,16 +449,25 @@ static torchmp_line_sinks stream_sinks(stream *s)
     sinks.console_buf = g->loop->console_scratch;
     sinks.filtered_buf = g->loop->filtered_scratch;
     sinks.scratch_cap = SCRATCH_SIZE;
-    sinks.console_fd = &g->console_fd[s->which];
-    sinks.console_errno = &g->console_errno[s->which];
+    sinks.console = s->console;
+    sinks.source = &s->source;
+    sinks.console_waiting = 0;
     sinks.filtered_fd = &g->filtered_fd[s->which];
     sinks.filtered_errno = &g->filtered_errno[s->which];
     sinks.needles = g->has_needles[s->which] ? &g->needles[s->which] : NULL;
     return sinks;
 }
 
-/* Console slot for a stream that is not printed at all. */
-static int no_console = -1;
+/* After the framer ran: arm its timer, and the console's writability. */
+static void stream_after_frame(torchmp_loop *L, stream *s, const torchmp_line_sinks *sinks)
+{
+    if (s->framer.deadline_ns != 0)
+        timed_add(L, s);
+    else
+        timed_remove(L, s);
+    if (sinks->console_waiting && s->console_entry != NULL)
+        console_entry_watch(L, s->console_entry);
+}
 
 static void proc_foreign_exit(torchmp_loop *L, torchmp_proc *p, int at_eof);
 
@@ -337,27 +503,60 @@ static void stream_consume(torchmp_loop *L, stream *s, const char *data, size_t 
             proc_foreign_exit(L, s->proc, 0);
         return;
     }
-    sinks = stream_sinks(s);
     if (s->log_fd >= 0 && torchmp_write_all(s->log_fd, data, len) != 0) {
         /* ENOSPC and friends: keep draining the pipe (the worker must not
          * block) and keep the console going; Python reports log_errno. */
         s->log_errno = errno;
         close_fd(&s->log_fd);
     }
-    if (s->prefix == NULL)
-        sinks.console_fd = &no_console;
-    (void)torchmp_framer_feed(&s->framer, data, len, &sinks);
+    sinks = stream_sinks(s);
+    (void)torchmp_framer_feed(&s->framer, data, len, clock_ns(CLOCK_MONOTONIC), &sinks);
+    stream_after_frame(L, s, &sinks);
 }
 
-static void stream_flush_partial(stream *s)
+static void stream_flush_partial(torchmp_loop *L, stream *s)
 {
     torchmp_line_sinks sinks;
     if (s->which == STREAM_RET)
         return;
     sinks = stream_sinks(s);
-    if (s->prefix == NULL)
-        sinks.console_fd = &no_console;
     torchmp_framer_flush(&s->framer, &sinks);
+    stream_after_frame(L, s, &sinks);
+}
+
+/* The framers whose time has come: idle partial lines, progress states. */
+static void streams_tick(torchmp_loop *L)
+{
+    int64_t now = clock_ns(CLOCK_MONOTONIC);
+    stream *s, *next;
+    if (L->next_deadline_ns == 0 || now < L->next_deadline_ns)
+        return;
+    L->next_deadline_ns = 0;
+    for (s = L->timed; s != NULL; s = next) {
+        next = s->timed_next;
+        if (s->framer.deadline_ns != 0 && s->framer.deadline_ns <= now) {
+            torchmp_line_sinks sinks = stream_sinks(s);
+            torchmp_framer_tick(&s->framer, now, &sinks);
+            if (sinks.console_waiting && s->console_entry != NULL)
+                console_entry_watch(L, s->console_entry);
+        }
+        if (s->framer.deadline_ns == 0)
+            timed_remove(L, s);
+        else if (L->next_deadline_ns == 0 || s->framer.deadline_ns < L->next_deadline_ns)
+            L->next_deadline_ns = s->framer.deadline_ns;
+    }
+}
+
+/* poller timeout until the next framer deadline (-1: none). */
+static int streams_timeout_ms(torchmp_loop *L)
+{
+    int64_t left;
+    if (L->next_deadline_ns == 0)
+        return -1;
+    left = L->next_deadline_ns - clock_ns(CLOCK_MONOTONIC);
+    if (left <= 0)
+        return 0;
+    return (int)((left + 999999) / 1000000);
 }
 
 
@@ -390,7 +589,7 @@ static void stream_close(torchmp_loop *L, stream *s)
         L->pipe_budget += s->pipe_grown;
         s->pipe_grown = 0;
     }
-    stream_flush_partial(s);
+    stream_flush_partial(L, s);
     (void)torchmp_poller_del(L->poller, s->fd);
     close_fd(&s->fd);
     close_fd(&s->log_fd);
@@ -443,12 +642,23 @@ static void stream_drain_buffered(torchmp_loop *L, stream *s)
         avail = READ_CHUNK;
     stream_pump(L, s, avail);
     if (s->fd >= 0)
-        stream_flush_partial(s);
+        stream_flush_partial(L, s);
 }
 
-static void stream_free(stream *s)
+static void stream_free(torchmp_loop *L, stream *s)
 {
+    timed_remove(L, s);
     torchmp_framer_free(&s->framer);
+    if (s->console_entry != NULL) {
+        s->console_entry->users--;
+        console_entry_maybe_free(L, s->console_entry);
+        s->console_entry = NULL;
+    } else {
+        torchmp_console_unref(s->console);
+    }
+    s->console = NULL;
+    free(s->log_path);
+    s->log_path = NULL;
     free(s->prefix);
     s->prefix = NULL;
     free(s->capture);
@@ -681,15 +891,32 @@ static int stream_open(torchmp_loop *L, torchmp_proc *p, int which, const torchm
             if (s->log_fd < 0)
                 goto fail;
         }
-        if (spec->console == 1 || spec->console == 2) {
-            s->prefix = malloc(spec->prefix_len + 1);
-            if (s->prefix == NULL)
-                goto fail;
+        s->prefix = malloc(spec->prefix_len + 1);
+        if (s->prefix == NULL)
+            goto fail;
+        if (spec->prefix_len > 0)
             memcpy(s->prefix, spec->prefix, spec->prefix_len);
-            s->prefix[spec->prefix_len] = '\0';
-            torchmp_framer_init(&s->framer, s->prefix, spec->prefix_len, MAX_LINE);
-            s->framer.timestamps = spec->timestamps;
+        s->prefix[spec->prefix_len] = '\0';
+        torchmp_framer_init(&s->framer, s->prefix, spec->prefix_len, MAX_LINE);
+        s->framer.timestamps = spec->timestamps;
+        if (spec->log_path != NULL) {
+            s->log_path = strdup(spec->log_path);
+            if (s->log_path == NULL)
+                goto fail;
         }
+        if (spec->sink != NULL) {
+            s->console = torchmp_console_ref(spec->sink);
+        } else if (spec->console == 1 || spec->console == 2) {
+            s->console_entry = console_entry_for_fd(L, spec->console);
+            if (s->console_entry == NULL)
+                goto fail;
+            s->console = s->console_entry->console;
+        }
+        s->source.id = ++L->stream_serial;
+        s->source.prefix = s->prefix;
+        s->source.prefix_len = spec->prefix_len;
+        s->source.log_path = s->log_path;
+        s->source.limit = spec->backlog_limit;
     }
     if (torchmp_poller_add(L->poller, pfd[0], s) != 0)
         goto fail;
@@ -704,7 +931,7 @@ fail:
         close(pfd[0]);
         close(pfd[1]);
         close_fd(&s->log_fd);
-        stream_free(s);
+        stream_free(L, s);
         errno = saved;
         return -1;
     }
@@ -729,7 +956,7 @@ static void rank_streams_abort(torchmp_loop *L, torchmp_proc *p)
 {
     for (int w = 0; w < STREAM_COUNT; w++) {
         stream_close(L, &p->streams[w]);
-        stream_free(&p->streams[w]);
+        stream_free(L, &p->streams[w]);
     }
 }
 
@@ -910,7 +1137,7 @@ static void group_free(torchmp_group *g)
         for (int w = 0; w < STREAM_COUNT; w++) {
             close_fd(&p->streams[w].fd);
             close_fd(&p->streams[w].log_fd);
-            stream_free(&p->streams[w]);
+            stream_free(g->loop, &p->streams[w]);
         }
     }
     for (int w = 0; w < 2; w++) {
@@ -1065,7 +1292,11 @@ static void *loop_main(void *arg)
     torchmp_event exit_events[MAX_EVENTS];
 
     for (;;) {
-        int n = torchmp_poller_wait(L->poller, events, MAX_EVENTS, -1);
+        int timeout = streams_timeout_ms(L);
+        int n;
+        if (L->consoles_polled && (timeout < 0 || timeout > 10))
+            timeout = 10;
+        n = torchmp_poller_wait(L->poller, events, MAX_EVENTS, timeout);
         if (n < 0) {
             /* EBADF/EINVAL would mean our own bookkeeping broke; ENOMEM is
              * transient.  Never spin hot. */
@@ -1086,6 +1317,8 @@ static void *loop_main(void *arg)
                 stream *s = events[i].ptr;
                 if (s->fd >= 0)
                     stream_pump(L, s, -1);
+            } else if (kind == WATCH_CONSOLE) {
+                console_entry_writable(L, events[i].ptr);
             } else if (kind == WATCH_EXITS) {
                 /* Level-triggered: exits beyond MAX_EVENTS show up next round. */
                 int m = torchmp_poller_wait(L->exits, exit_events, MAX_EVENTS, 0);
@@ -1093,6 +1326,9 @@ static void *loop_main(void *arg)
                     proc_exit_event(L, exit_events[j].ptr);
             }
         }
+        streams_tick(L);
+        if (L->consoles_polled)
+            L->consoles_polled = consoles_poll(L);
         collect_groups(L);
     }
     return NULL;
@@ -1232,10 +1468,33 @@ int torchmp_loop_fd_count(void)
     torchmp_loop *L = loop_get();
     if (L == NULL)
         return -1;
-    /* The fds in the poller (the exits set's epoll fd among them), the
-     * pidfds in the exits set, the poller's own epoll fd. */
-    return torchmp_poller_fd_count(L->poller) + (L->exits != NULL ? torchmp_poller_fd_count(L->exits) : 0) +
-           (L->backend == TORCHMP_BACKEND_EPOLL ? 1 : 0) + (L->wake_w != L->wake_r ? 1 : 0);
+    /* The fds in the poller (the exits set's epoll fd and consoles waiting
+     * to write among them), the pidfds in the exits set, the poller's own
+     * epoll fd, the consoles not in the poller. */
+    int n = torchmp_poller_fd_count(L->poller) + (L->exits != NULL ? torchmp_poller_fd_count(L->exits) : 0) +
+            (L->backend == TORCHMP_BACKEND_EPOLL ? 1 : 0) + (L->wake_w != L->wake_r ? 1 : 0);
+    pthread_mutex_lock(&L->mu);
+    for (console_entry *e = L->consoles; e != NULL; e = e->next) {
+        if (e->watched != 1 && torchmp_console_fd(e->console) >= 0)
+            n++;
+    }
+    pthread_mutex_unlock(&L->mu);
+    return n;
+}
+
+size_t torchmp_consoles_pending(int fd)
+{
+    torchmp_loop *L = the_loop;
+    size_t n = 0;
+    if (L == NULL || L->owner_pid != getpid())
+        return 0;
+    pthread_mutex_lock(&L->mu);
+    for (console_entry *e = L->consoles; e != NULL; e = e->next) {
+        if (fd < 0 || torchmp_console_same_target(e->console, fd))
+            n += torchmp_console_pending(e->console);
+    }
+    pthread_mutex_unlock(&L->mu);
+    return n;
 }
 
 #define SUBMIT_SPIN_NS 200000

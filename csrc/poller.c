@@ -23,6 +23,7 @@
 
 typedef struct {
     int fd;
+    short events;             /* POLLIN or POLLOUT */
     void *ptr;
 } watch_slot;
 
@@ -75,13 +76,13 @@ void torchmp_poller_free(torchmp_poller *p)
     free(p);
 }
 
-int torchmp_poller_add(torchmp_poller *p, int fd, void *ptr)
+static int poller_add(torchmp_poller *p, int fd, void *ptr, int writable)
 {
 #ifdef TORCHMP_HAVE_EPOLL
     if (p->backend == TORCHMP_BACKEND_EPOLL) {
         struct epoll_event ev;
         memset(&ev, 0, sizeof(ev));
-        ev.events = EPOLLIN;
+        ev.events = writable ? EPOLLOUT : EPOLLIN;
         ev.data.ptr = ptr;
         if (epoll_ctl(p->epfd, EPOLL_CTL_ADD, fd, &ev) != 0)
             return -1;
@@ -98,9 +99,20 @@ int torchmp_poller_add(torchmp_poller *p, int fd, void *ptr)
         p->slots_cap = cap;
     }
     p->slots[p->count].fd = fd;
+    p->slots[p->count].events = writable ? POLLOUT : POLLIN;
     p->slots[p->count].ptr = ptr;
     p->count++;
     return 0;
+}
+
+int torchmp_poller_add(torchmp_poller *p, int fd, void *ptr)
+{
+    return poller_add(p, fd, ptr, 0);
+}
+
+int torchmp_poller_add_writable(torchmp_poller *p, int fd, void *ptr)
+{
+    return poller_add(p, fd, ptr, 1);
 }
 
 int torchmp_poller_del(torchmp_poller *p, int fd)
@@ -148,7 +160,7 @@ int torchmp_poller_wait(torchmp_poller *p, torchmp_event *events, int max_events
             return errno == EINTR ? 0 : -1;
         for (int i = 0; i < n; i++) {
             events[i].ptr = evs[i].data.ptr;
-            events[i].readable = (evs[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) != 0;
+            events[i].readable = (evs[i].events & (EPOLLIN | EPOLLOUT | EPOLLHUP | EPOLLERR)) != 0;
         }
         return n;
     }
@@ -164,14 +176,14 @@ int torchmp_poller_wait(torchmp_poller *p, torchmp_event *events, int max_events
         }
         for (int i = 0; i < p->count; i++) {
             p->pfds[i].fd = p->slots[i].fd;
-            p->pfds[i].events = POLLIN;
+            p->pfds[i].events = p->slots[i].events;
             p->pfds[i].revents = 0;
         }
         n = poll(p->pfds, (nfds_t)p->count, timeout_ms);
         if (n < 0)
             return errno == EINTR ? 0 : -1;
         for (int i = 0; i < p->count && out < max_events; i++) {
-            if (p->pfds[i].revents & (POLLIN | POLLHUP | POLLERR | POLLNVAL)) {
+            if (p->pfds[i].revents & (POLLIN | POLLOUT | POLLHUP | POLLERR | POLLNVAL)) {
                 events[out].ptr = p->slots[i].ptr;
                 events[out].readable = 1;
                 out++;

@@ -3,6 +3,7 @@
  *
  *   spawn.c   fork/vfork + exec of one worker, errors back through a CLOEXEC pipe
  *   framer.c  per-stream line framing for the console (prefix + whole lines)
+ *   console.c consoles that never block the I/O thread (bounded backlog, drops)
  *   poller.c  epoll (Linux) or poll() readiness backends behind one interface
  *   loop.c    the process-wide I/O thread: tee pipes, pidfds, reaping, commands
  *   keeper.c  the process that kills the workers' groups if the launcher dies
@@ -120,14 +121,73 @@ const char *torchmp_step_name(int step);
 int torchmp_child_setup(const torchmp_spawn_args *a, int keep_fd, int close_others);
 
 /* ---------------------------------------------------------------------------
+ * console.c: a place teed lines are shown that never blocks the I/O thread.
+ * Whole lines only; what the console cannot take now waits in a backlog
+ * bounded per source, and past the bound whole lines are dropped from the
+ * console (never from the log) until the backlog has drained, when one marker
+ * line per source says how many and where the complete log is.  Reference
+ * counted (atomically); every function but ref/unref serialises internally.
+ */
+typedef struct torchmp_console torchmp_console;
+
+/* Who lines come from, for the bound and the marker line. */
+typedef struct {
+    uint64_t id;               /* unique per stream */
+    const char *prefix;        /* the stream's console prefix */
+    size_t prefix_len;
+    const char *log_path;      /* the complete log, or NULL */
+    size_t limit;              /* backlog bound for this source's lines, bytes */
+} torchmp_console_source;
+
+/* A console writing to what fd refers to now (fd itself is not kept: a
+ * private dup or reopened description is).  NULL with errno. */
+torchmp_console *torchmp_console_open_fd(int fd);
+/* A console whose lines are taken by its owner (torchmp_console_take);
+ * torchmp_console_notify_fd is readable while bytes wait.  NULL with errno. */
+torchmp_console *torchmp_console_new_queue(void);
+torchmp_console *torchmp_console_ref(torchmp_console *c);
+void torchmp_console_unref(torchmp_console *c);
+/* More than one reference is held. */
+int torchmp_console_shared(torchmp_console *c);
+/* Show data (whole lines from src) or queue / drop them.  Returns 1 while
+ * bytes (or marker lines) wait: the caller pumps once the fd is writable. */
+int torchmp_console_submit(torchmp_console *c, const torchmp_console_source *src, const char *data, size_t len);
+/* Write what waits, without blocking; 1 while bytes still wait. */
+int torchmp_console_pump(torchmp_console *c);
+/* A queue console's waiting bytes (malloc'ed; NULL and *len = 0: none). */
+char *torchmp_console_take(torchmp_console *c, size_t *len);
+int torchmp_console_notify_fd(const torchmp_console *c);
+/* The fd the console writes to (poll it for POLLOUT), -1 if none. */
+int torchmp_console_fd(const torchmp_console *c);
+/* Bytes waiting (plus one while marker lines are due). */
+size_t torchmp_console_pending(torchmp_console *c);
+/* The errno that switched the console off, 0 while it works. */
+int torchmp_console_broken(torchmp_console *c);
+/* Whether fd refers to the target this (fd) console writes to. */
+int torchmp_console_same_target(const torchmp_console *c, int fd);
+
+/* ---------------------------------------------------------------------------
  * framer.c: console line framing for one stream.
  *
- * Complete lines go out as prefix + line, each line whole in one writev, so
- * lines of different ranks never tear into each other.  An unterminated tail
- * is kept until its newline arrives, until it exceeds max_line (then it goes
- * out with a newline added, so a stream with no newlines cannot grow memory
- * without bound), or until torchmp_framer_flush (end of stream / worker exit).
+ * Complete lines go out as prefix + line + newline, each line whole, so lines
+ * of different ranks never tear into each other.  What has no newline yet:
+ *   - a plain partial line ("Loading...", a "(Pdb) " prompt) goes out as a
+ *     line of its own once its oldest byte is TORCHMP_PARTIAL_IDLE_NS old;
+ *     its continuation starts a new console line;
+ *   - a line holding a carriage return is a progress bar: what follows its
+ *     last \r is its current state, shown once it is TORCHMP_PARTIAL_IDLE_NS
+ *     old and then at most once per TORCHMP_PROGRESS_INTERVAL_NS per
+ *     stream, and the line's final state always;
+ *   - a line is cut into pieces of max_line raw bytes (memory stays bounded
+ *     whatever the stream), each shown as a terminal would show it: what
+ *     follows its last carriage return (trailing ones, as in CRLF, kept);
+ *   - torchmp_framer_flush sends the rest at the end of the stream.
+ * Times are CLOCK_MONOTONIC nanoseconds passed in by the caller (never 0), so
+ * the rules can be tested with a clock of the test's own.
  */
+#define TORCHMP_PARTIAL_IDLE_NS (100LL * 1000 * 1000)
+#define TORCHMP_PROGRESS_INTERVAL_NS (1000LL * 1000 * 1000)
+
 typedef struct torchmp_needles {
     size_t count;
     char **data;
@@ -137,33 +197,45 @@ typedef struct torchmp_needles {
 typedef struct torchmp_framer {
     const char *prefix;        /* borrowed from the stream */
     size_t prefix_len;
-    char *partial;             /* unterminated tail of the last chunk */
+    char *partial;             /* unterminated tail: what counts of the current piece */
     size_t partial_len;
     size_t partial_cap;
+    size_t piece_len;          /* raw bytes of the line's current piece (>= partial_len) */
     size_t max_line;
     int timestamps;            /* a UTC time after the prefix of every line */
+    int64_t partial_since_ns;  /* arrival of the tail's oldest byte (0: empty tail) */
+    int progress;              /* the tail holds a \r: a progress bar */
+    int progress_dirty;        /* its current state has not been shown */
+    int64_t progress_shown_ns; /* last progress state shown (0: never) */
+    uint64_t shown_hash;       /* that state, hashed, while shown_valid (this line) */
+    int shown_valid;
+    int continued;             /* this line's start is on the console (idle flush) */
+    int64_t deadline_ns;       /* out: when torchmp_framer_tick has work (0: never) */
 } torchmp_framer;
 
-/* Where framed lines go.  A sink fd of -1 is skipped; a sink whose write
- * fails permanently is switched off (its fd set to -1) and the errno kept. */
+/* Where framed lines go.  The filtered sink is a file: an fd of -1 is
+ * skipped, a write that fails switches it off (fd -1) and keeps the errno. */
 typedef struct torchmp_line_sinks {
     char *console_buf;                 /* scratch buffers of scratch_cap bytes (NULL: none) */
     char *filtered_buf;
     size_t scratch_cap;
-    int *console_fd;                   /* shared per console: -1 once broken */
+    torchmp_console *console;          /* NULL: no console copy */
+    const torchmp_console_source *source;
+    int console_waiting;               /* out: the console has a backlog to pump */
     int *filtered_fd;                  /* NULL or shared per context */
     const torchmp_needles *needles;    /* NULL: no filtered copy */
-    int *console_errno;
     int *filtered_errno;
 } torchmp_line_sinks;
 
 void torchmp_framer_init(torchmp_framer *f, const char *prefix, size_t prefix_len, size_t max_line);
 void torchmp_framer_free(torchmp_framer *f);
-/* Frame one chunk; -1 with errno ENOMEM if the tail buffer cannot grow (the
- * chunk is then written out unframed rather than lost). */
-int torchmp_framer_feed(torchmp_framer *f, const char *data, size_t len, const torchmp_line_sinks *sinks);
-/* Emit the unterminated tail, if any, with a newline added. */
-void torchmp_framer_flush(torchmp_framer *f, const torchmp_line_sinks *sinks);
+/* Frame one chunk that arrived at now_ns; -1 with errno ENOMEM if the tail
+ * buffer cannot grow (the chunk is then shown unframed rather than lost). */
+int torchmp_framer_feed(torchmp_framer *f, const char *data, size_t len, int64_t now_ns, torchmp_line_sinks *sinks);
+/* Show what the time rules say is due at now_ns (see deadline_ns). */
+void torchmp_framer_tick(torchmp_framer *f, int64_t now_ns, torchmp_line_sinks *sinks);
+/* The end of the stream: show the unterminated tail, if any. */
+void torchmp_framer_flush(torchmp_framer *f, torchmp_line_sinks *sinks);
 
 /* write(2) all of buf, retrying EINTR/partial writes and waiting out EAGAIN.
  * 0 or -1 with errno. */
@@ -184,6 +256,8 @@ enum torchmp_backend { TORCHMP_BACKEND_EPOLL = 1, TORCHMP_BACKEND_POLL = 2 };
 torchmp_poller *torchmp_poller_new(int backend);
 void torchmp_poller_free(torchmp_poller *p);
 int torchmp_poller_add(torchmp_poller *p, int fd, void *ptr);
+/* Watch fd for writability (HUP/ERR count too) until torchmp_poller_del. */
+int torchmp_poller_add_writable(torchmp_poller *p, int fd, void *ptr);
 int torchmp_poller_del(torchmp_poller *p, int fd);
 /* Wait up to timeout_ms (negative: forever); returns the number of events
  * (0 on EINTR or timeout) or -1. */
@@ -214,10 +288,13 @@ enum torchmp_stream_mode {
 typedef struct {
     int mode;
     int fd;                    /* FILE: the file; TEE: the log file or -1 (borrowed, dup'ed) */
-    int console;               /* TEE: 1, 2 or -1 (no console copy) */
+    int console;               /* TEE: the launcher's fd 1 or 2, or -1 (see sink) */
+    torchmp_console *sink;     /* TEE: a console of the caller's instead (referenced) */
     const char *prefix;        /* TEE: console prefix (copied) */
     size_t prefix_len;
     int timestamps;            /* TEE: a time on every console line */
+    const char *log_path;      /* TEE: named by the console's marker line (copied; NULL: none) */
+    size_t backlog_limit;      /* TEE: console backlog bound for this stream, bytes */
 } torchmp_stream_spec;
 
 typedef struct {
@@ -344,6 +421,11 @@ void torchmp_group_release(torchmp_group *g);
 /* Number of fds the loop holds (for tests of the fd budget). */
 int torchmp_loop_fd_count(void);
 
+/* Bytes still waiting for the launcher's fd 1 / fd 2 consoles (plus one per
+ * console whose marker lines are due): 0 once every console caught up.
+ * fd >= 0: only the console of what fd refers to. */
+size_t torchmp_consoles_pending(int fd);
+
 /* ---------------------------------------------------------------------------
  * keeper.c: one process per launcher that SIGKILLs the registered process
  * groups when the launcher dies (the EOF of a pipe only the launcher holds).
@@ -357,8 +439,9 @@ void torchmp_keeper_remove(int slot);
 /* ---------------------------------------------------------------------------
  * procscan.c
  */
-/* alive[i] = 1 if a process other than a zombie has process group pgids[i];
- * one pass over /proc.  Returns how many are alive, -1 with errno. */
+/* alive[i] = 1 if a process other than a zombie has process group pgids[i],
+ * whose leader (pid pgids[i]) the caller holds as a zombie; one pass over
+ * /proc.  Returns how many are alive, -1 with errno. */
 int torchmp_pgroups_alive(const pid_t *pgids, int n, unsigned char *alive);
 /* 1 if pid is gone or a zombie (for workers that are not our children). */
 int torchmp_pid_exited(pid_t pid);

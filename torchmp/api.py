@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
-from torchmp import _core
+from torchmp import _console, _core
 from torchmp.errors import ProcessFailure
 from torchmp.logs_specs import (
     DefaultLogsSpecs,
@@ -504,6 +504,9 @@ class _NativeContext(PContext):
 
     # torchmp extension: a UTC time after the prefix of every teed console line.
     log_line_timestamps: bool = False
+    # torchmp extension: the console backlog bound per teed stream, bytes
+    # (None: TORCHMP_CONSOLE_BACKLOG, else the default; see _console).
+    console_backlog: int | None = None
     # How long siblings get after SIGTERM when a rank fails, before SIGKILL
     # (torch's fixed 30 s by default).
     fail_fast_timeout: float = 30
@@ -545,6 +548,7 @@ class _NativeContext(PContext):
         self._abandoned: set[int] = set()
         # The last snapshot, kept once close() has released the native group.
         self._final: tuple[int, list[tuple[Any, ...]]] | None = None
+        self._forwarder: _console.Forwarder | None = None
 
     # -- what and how to start (subclass) -----------------------------------
     @abc.abstractmethod
@@ -597,9 +601,8 @@ class _NativeContext(PContext):
             text = f"[{self.name}{rank}]:"
         return os.fsencode(text)
 
-    def _stream_spec(
-        self, rank: int, which: int, opened: list[int]
-    ) -> tuple[int, int, int, bytes | None] | tuple[int, int, int, bytes | None, bool]:
+    def _stream_spec(self, rank: int, which: int, opened: list[int], consoles: list[Any],
+                     backlog: int) -> tuple[Any, ...]:
         paths = self.stdouts if which == 0 else self.stderrs
         tees = self._logs_dest.tee_stdouts if which == 0 else self._logs_dest.tee_stderrs
         path = paths.get(rank, "")
@@ -608,7 +611,10 @@ class _NativeContext(PContext):
         fd = _open_log(path)
         opened.append(fd)
         if rank in tees:
-            return (_core.STREAM_TEE, fd, 1 + which, self._prefix(rank), self.log_line_timestamps)
+            console = consoles[which]
+            sink = console.queue if isinstance(console, _console.ObjectConsole) else console
+            return (_core.STREAM_TEE, fd, sink, self._prefix(rank), self.log_line_timestamps,
+                    os.fsencode(os.path.abspath(path)), backlog)
         return (_core.STREAM_FILE, fd, -1, None)
 
     # Launcher fds per rank beyond its streams: the pidfd, plus what a
@@ -655,7 +661,16 @@ class _NativeContext(PContext):
     def _start(self) -> None:
         if self._group is not None:
             raise ValueError("The workers are already started. Most likely start() got called twice.")
+        # Before anything is opened: a closed fd 1 or 2 must not become a log.
+        _console.claim_std_fds()
+        backlog = _console.backlog_bound(self.console_backlog)
         self._ensure_fd_budget()
+        consoles: list[Any] = [-1, -1]
+        if self._logs_dest.tee_stdouts:
+            consoles[0] = _console.console_for(0)
+        if self._logs_dest.tee_stderrs:
+            consoles[1] = _console.console_for(1)
+        objects = [c for c in consoles if isinstance(c, _console.ObjectConsole)]
         opened: list[int] = []
         try:
             filtered: list[tuple[list[bytes] | None, int]] = []
@@ -670,9 +685,13 @@ class _NativeContext(PContext):
                 else:
                     filtered.append((None, -1))
             streams = [
-                (self._stream_spec(rank, 0, opened), self._stream_spec(rank, 1, opened))
+                (self._stream_spec(rank, 0, opened, consoles, backlog),
+                 self._stream_spec(rank, 1, opened, consoles, backlog))
                 for rank in range(self.nprocs)
             ]
+            if objects:
+                self._forwarder = _console.Forwarder(objects)
+                _console.track(self._forwarder)
             self._group = _core.Group(self.nprocs, filtered[0][0], filtered[0][1], filtered[1][0], filtered[1][1])
             _live_contexts.add(self)
             self._launch(self._group, streams)
@@ -714,6 +733,12 @@ class _NativeContext(PContext):
         self.close(timeout=self.fail_fast_timeout)  # type: ignore[arg-type]
         _, ranks = self._snapshot()
         self._result = self._build_result(ranks)
+        # Every line is in the log files now.  The consoles: all of it for
+        # an object console; a live fd console is followed until it caught
+        # up, a stalled one is not waited for.
+        if self._forwarder is not None:
+            self._forwarder.finish()
+        _console.settle(_console.RESULT_STALL)
         return self._result
 
     def _build_result(self, ranks: list[tuple[Any, ...]]) -> RunProcsResult:
@@ -899,6 +924,8 @@ class _NativeContext(PContext):
         group.killpg(int(signal.SIGKILL))
         self._release_foreign(group.reap())
         group.finish_streams()
+        if self._forwarder is not None:
+            self._forwarder.finish()
         # Free the native side now (fds included) rather than whenever the
         # garbage collector gets to this object.
         self._final = group.snapshot()
@@ -1030,10 +1057,17 @@ def start_processes(
     binary (looked up on ``PATH``, never run through a shell; args are cast
     with ``str()``).  Every input is checked before anything starts.
 
-    torchmp extension (keyword only): ``log_line_timestamps=True`` puts a UTC
-    time (``2026-11-29T09:54:05.123Z``) after the prefix of every teed line.
+    torchmp extensions (keyword only): ``log_line_timestamps=True`` puts a UTC
+    time (``2026-11-29T09:54:05.123Z``) after the prefix of every teed line;
+    ``console_backlog`` (bytes, or a size like ``"16M"``) bounds what each
+    teed stream may leave waiting for a console that falls behind (default
+    4 MiB, or ``TORCHMP_CONSOLE_BACKLOG``); past it, whole lines are left
+    out of the console only, and a marker line says how many.
     """
     timestamps = bool(kwargs.pop("log_line_timestamps", False))
+    console_backlog = kwargs.pop("console_backlog", None)
+    # Checked before anything starts (the env var too).
+    backlog = _console.backlog_bound(console_backlog)
     legacy = "log_dir" in kwargs or isinstance(logs_specs, (str, bytes, os.PathLike))
     if legacy:
         names: tuple[str, ...] = ("start_method", "redirects", "tee")
@@ -1103,6 +1137,8 @@ def start_processes(
             name, entrypoint, args, envs, start_method=start_method, logs_specs=spec_obj, **extra)
     if timestamps:
         context.log_line_timestamps = True  # type: ignore[attr-defined]
+    if console_backlog is not None:
+        context.console_backlog = backlog  # type: ignore[attr-defined]
     try:
         context.start()
     except BaseException as e:

@@ -53,6 +53,7 @@ from collections.abc import Collection, Sequence
 from types import FrameType
 from typing import Any, NoReturn
 
+from torchmp import _console
 from torchmp.api import SignalException, close_despite_interrupts, resolve_executable, start_processes
 from torchmp.errors import ChildFailedError, ProcessFailure
 from torchmp.logs_specs import DefaultLogsSpecs, LogsDest, Std, to_map
@@ -142,6 +143,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="stamp every teed console line, after its prefix, with the UTC time "
                         "it was read (e.g. 2026-11-29T09:54:05.123Z); the log files keep the "
                         "workers' exact bytes")
+    p.add_argument("--console-backlog", default=None, metavar="SIZE",
+                   help="how much of each teed stream may wait for a console that falls "
+                        "behind (a stalled pipe or terminal) before whole lines are left out "
+                        "of the console -- never out of the log files -- with a marker line "
+                        "saying how many (e.g. 16M, 512K, 0; default 4M, or "
+                        "$TORCHMP_CONSOLE_BACKLOG)")
     p.add_argument("--start-method", default="spawn", choices=("spawn", "fork", "forkserver"),
                    help="accepted for torchrun compatibility; it only matters for Python "
                         "function entrypoints, and torchmp run starts binaries (fork+exec)")
@@ -321,6 +328,10 @@ class _Plan:
         self.summary: bool = args.summary
         self.shutdown_timeout: float = args.shutdown_timeout
         self.timestamps: bool = args.timestamps
+        try:
+            self.console_backlog: int = _console.backlog_bound(args.console_backlog)
+        except (TypeError, ValueError) as e:
+            raise _UsageError(f"--console-backlog: {e}" if args.console_backlog is not None else str(e)) from None
         self.nnodes: int = args.nnodes
         self.node_rank: int = args.node_rank
         self.master_addr: str = args.master_addr or "127.0.0.1"
@@ -473,7 +484,10 @@ def _drop_console(stream: Any) -> None:
 
 
 def _write_console(stream: Any, text: str) -> None:
-    """Write and flush ``text``; a console that is closed or gone is dropped."""
+    """Write and flush ``text``; a console that is closed or gone is dropped,
+    and one that was closed when the launcher started (None) is off."""
+    if stream is None:
+        return
     try:
         stream.write(text)
         stream.flush()
@@ -599,7 +613,9 @@ class _ConsoleHandler(logging.StreamHandler):  # type: ignore[type-arg]
 def _configure_logging() -> None:
     log = logging.getLogger("torchmp")
     if not any(getattr(h, "_torchmp_cli", False) for h in log.handlers):
-        handler = _ConsoleHandler(sys.stderr)
+        # No stderr at all (closed at start): messages go nowhere.
+        handler: logging.Handler = (_ConsoleHandler(sys.stderr) if sys.stderr is not None
+                                    else logging.NullHandler())
         handler.setFormatter(logging.Formatter("torchmp: %(message)s"))
         handler._torchmp_cli = True  # type: ignore[attr-defined]
         log.addHandler(handler)
@@ -628,7 +644,7 @@ class _Run:
         except OSError as e:  # it makes --log-dir and its parents
             raise _SetupError(
                 _describe_mkdir_error(e, log_dir or tempfile.gettempdir())) from e
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = {"console_backlog": plan.console_backlog}
         if plan.timestamps:
             extra["log_line_timestamps"] = True
         self.started = time.monotonic()
@@ -704,6 +720,12 @@ class _Run:
         return notes
 
     def report(self) -> None:
+        elapsed = time.monotonic() - self.started
+        # The report follows the workers' last lines on the console it is
+        # written to (stderr; stdout too when they are one): let that console
+        # catch up first, as long as it makes progress.
+        if sys.stderr is not None:
+            _console.settle(_console.exit_stall(), fd=2)
         if self.signal is not None:
             _say(f"got {self.signal.name}: terminated the workers")
         elif self.result is not None and self.result.failures:
@@ -711,7 +733,7 @@ class _Run:
         if self.plan.summary:
             _write_console(sys.stderr, format_summary(
                 self.plan.name, self.plan.nproc, self.plan.global_rank, self.result,
-                self.notes(), self.exit_code(), time.monotonic() - self.started,
+                self.notes(), self.exit_code(), elapsed,
                 self.terminated()))
 
 
