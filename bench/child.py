@@ -19,7 +19,7 @@ import time
 
 
 def _snapshot():
-    from bench.common import count_fds, count_threads, rss_bytes
+    from bench.common import count_fds, count_threads, peak_rss_bytes, rss_bytes
 
     ru = resource.getrusage(resource.RUSAGE_SELF)
     rc = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -29,7 +29,8 @@ def _snapshot():
         "rss": rss_bytes(),
         "cpu": ru.ru_utime + ru.ru_stime,
         "cpu_children": rc.ru_utime + rc.ru_stime,
-        "maxrss_kb": ru.ru_maxrss,
+        "maxrss_kb": ru.ru_maxrss,  # includes the RSS of the bench at fork time: see peak_rss
+        "peak_rss": peak_rss_bytes(),
         "t": time.monotonic(),
     }
 
@@ -109,6 +110,7 @@ def main(argv):
         t_start=t1 - t0,
         t_wait=t2 - t0,
         t_close=t3 - t0,
+        t0_mono=t0,  # CLOCK_MONOTONIC: lets the bench place these times on its own clock
         cpu_self=after["cpu"] - before["cpu"],
         cpu_children=after["cpu_children"] - before["cpu_children"],
         after=after,

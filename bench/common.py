@@ -344,6 +344,22 @@ def rss_bytes(pid: int | str = "self") -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def peak_rss_bytes(pid: int | str = "self") -> int | None:
+    """VmHWM: the peak RSS of the process's current image.
+
+    Not ``ru_maxrss``: Linux carries that across execve, so a launcher started
+    from the bench (which has torch imported) would report the bench's RSS.
+    """
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 # --------------------------------------------------------------------------- exit watcher
 
 
@@ -526,8 +542,13 @@ def run_child(
     timeout: float,
     on_ready: Callable[[subprocess.Popen, dict], None] | None = None,
     extra_env: dict[str, str] | None = None,
+    stdout: int | None = None,
 ) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """Run one launch in ``python -m bench.child`` with fd 1/2 going to files.
+
+    ``stdout``, if given, is an fd (e.g. the write end of a pipe) that becomes
+    the child's fd 1 instead of the console file; ``facts["console"]`` is then
+    None and reading that fd is the caller's business.
 
     Returns (the child's result JSON or None, facts about the child process:
     returncode, console/stderr paths, whether it hung, ready message).
@@ -542,13 +563,13 @@ def run_child(
     spec["result"] = result_path
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    facts: dict[str, Any] = {"console": console, "stderr": errlog, "hung": False}
+    facts: dict[str, Any] = {"console": console if stdout is None else None, "stderr": errlog, "hung": False}
     try:
         with open(console, "wb") as out, open(errlog, "wb") as err:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "bench.child", spec_path],
                 stdin=subprocess.DEVNULL,
-                stdout=out,
+                stdout=out if stdout is None else stdout,
                 stderr=err,
                 pass_fds=(wfd,),
                 cwd=REPO_ROOT,

@@ -293,6 +293,7 @@ PANELS = [
     ("tee", ["mbps"], "tee 4 ranks (MB/s)", False),
     ("redirect", ["mbps"], "redirect 4 ranks (MB/s)", False),
     ("tee", ["cpu"], "tee: launcher CPU (s)", False),
+    ("console", ["wait_s", "workers_s", "blocked_s"], "console stalled 5 s (s)", True),
     ("idle", ["extra_threads", "fds_per_rank", "cpu_pct"], "64 idle teed ranks", True),
     ("close", ["plain_ms", "ignore_ms"], "close(timeout=0.5) (ms)", True),
     ("many", ["seconds"], "1024 teed ranks (s)", True),

@@ -2,7 +2,7 @@
 
 import importlib
 
-ORDER = ["launch", "funclaunch", "lag", "failfast", "tee", "redirect", "idle", "close", "many", "nofile"]
+ORDER = ["launch", "funclaunch", "lag", "failfast", "tee", "redirect", "console", "idle", "close", "many", "nofile"]
 MODULES = {
     "launch": "launch",
     "funclaunch": "funclaunch",
@@ -10,6 +10,7 @@ MODULES = {
     "failfast": "failfast",
     "tee": "streams",
     "redirect": "streams",
+    "console": "console",
     "idle": "idle",
     "close": "close",
     "many": "many",
@@ -23,6 +24,7 @@ TITLES = {
     "failfast": "failure detection + teardown of 3 sleeping siblings",
     "tee": "tee with prefixes, 4 ranks x 50 MB of 100-byte lines: MB/s, launcher CPU, line integrity",
     "redirect": "redirect only, same data: MB/s, launcher CPU, exact logs",
+    "console": "console stalled for 5 s, then drained: wait() time, workers blocked in write(), exact logs, RSS",
     "idle": "64 idle ranks teeing both streams: launcher threads, fds, RSS, CPU %",
     "close": "close(timeout=0.5) of plain and TERM-ignoring workers",
     "many": "1024 teed ranks launch+reap",
