@@ -137,6 +137,22 @@ def kill_tagged(tag: str) -> None:
                 pass
 
 
+def stop_launcher(proc: subprocess.Popen, tag: str | None = None, timeout: float = 10.0) -> None:
+    """Kill what a launcher test started -- the processes carrying tag, and
+    the launcher's own process group -- and reap the launcher."""
+    if tag is not None:
+        kill_tagged(tag)
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+
+
 def wait_no_tagged(tag: str, timeout: float = 5.0) -> list[psutil.Process]:
     """Wait until no tagged process is left (zombies aside); returns those left."""
     deadline = time.monotonic() + timeout

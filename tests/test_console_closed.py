@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import select
-import signal
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ import pytest
 
 import torchmp
 
-from helpers import TAG_VAR, kill_tagged, wait_no_tagged
+from helpers import TAG_VAR, stop_launcher, wait_no_tagged
 
 TORCHMP_PATH = str(Path(torchmp.__file__).resolve().parent.parent)
 
@@ -88,13 +87,7 @@ class Launch:
             raise AssertionError(f"torchmp run did not finish in {timeout}s") from None
 
     def cleanup(self) -> None:
-        kill_tagged(self.tag)
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except OSError:
-                pass
-        self.proc.wait(timeout=10)
+        stop_launcher(self.proc, self.tag)
 
     def attempt_dir(self) -> Path:
         [run_dir] = self.log_dir.iterdir()

@@ -30,7 +30,6 @@ import json
 import math
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -43,7 +42,7 @@ from hypothesis import HealthCheck, event, example, given, settings, strategies 
 import torchmp
 from torchmp import _core
 
-from helpers import TAG_VAR, kill_tagged, popen_launcher, wait_no_tagged
+from helpers import TAG_VAR, popen_launcher, stop_launcher, wait_no_tagged
 from test_fuzz import model_framer, model_lines
 
 P = b"[p]:"
@@ -348,16 +347,7 @@ class Launched:
             raise AssertionError(f"the launcher did not finish in {timeout}s") from None
 
     def cleanup(self) -> None:
-        kill_tagged(self.tag)
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except OSError:
-                pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
+        stop_launcher(self.proc, self.tag)
 
 
 @pytest.fixture

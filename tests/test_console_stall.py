@@ -42,7 +42,7 @@ import pytest
 import torchmp
 from torchmp import _core
 
-from helpers import TAG_VAR, kill_tagged, popen_launcher, wait_gone, wait_no_tagged
+from helpers import TAG_VAR, popen_launcher, stop_launcher, wait_gone, wait_no_tagged
 
 NRANKS = 4
 LINE_LEN = 100
@@ -191,16 +191,7 @@ class Launch:
         return self.stderr_path.read_text(errors="replace")[-4000:]
 
     def cleanup(self) -> None:
-        kill_tagged(self.tag)
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except OSError:
-                pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
+        stop_launcher(self.proc, self.tag)
         if self.read_fd >= 0:
             os.close(self.read_fd)
             self.read_fd = -1

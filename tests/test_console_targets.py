@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -22,6 +20,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import stop_launcher
 
 import torchmp
 from torchmp.api import DefaultLogsSpecs, Std
@@ -197,9 +196,7 @@ def test_closed_std_fds_at_start_keep_the_logs_exact(tmp_path, closed):
     try:
         assert proc.wait(60) == 0
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_launcher(proc)
     failed, stdouts, stderrs, fd1, fd2 = eval(report.read_text())
     assert not failed
     for rank in range(3):
@@ -227,9 +224,7 @@ def test_torchmp_run_with_a_closed_std_fd(tmp_path, closed):
     try:
         assert proc.wait(60) == 0
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_launcher(proc)
     for rank in range(3):
         (out,) = logs.glob(f"*/attempt_0/{rank}/stdout.log")
         (err,) = logs.glob(f"*/attempt_0/{rank}/stderr.log")
