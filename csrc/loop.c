@@ -1387,6 +1387,7 @@ static torchmp_loop *loop_create(void)
      * keeper (fork failed) workers still die with the launcher by PDEATHSIG;
      * only their own children would be left. */
     (void)torchmp_keeper_start();
+    torchmp_procscan_init();
     if (notify_open(&L->wake_r, &L->wake_w) != 0)
         goto fail;
     L->poller = torchmp_poller_new(L->backend);

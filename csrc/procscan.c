@@ -89,18 +89,34 @@ int torchmp_pid_exited(pid_t pid)
     return state == 'Z' || state == 'X';
 }
 
+/* /proc/sys/kernel/ns_last_pid, opened once (torchmp_procscan_init): a
+ * pread of it is a third of an open + read + close. */
+static int last_pid_fd = -1;
+
+void torchmp_procscan_init(void)
+{
+    if (last_pid_fd < 0)
+        last_pid_fd = open("/proc/sys/kernel/ns_last_pid", O_RDONLY | O_CLOEXEC);
+}
+
 /* The pid the kernel handed out last in our pid namespace, or -1. */
 static long last_pid(void)
 {
     char buf[32];
     ssize_t n;
-    int fd = open("/proc/sys/kernel/ns_last_pid", O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return -1;
+    int fd = last_pid_fd;
+    int own = 0;
+    if (fd < 0) {
+        fd = open("/proc/sys/kernel/ns_last_pid", O_RDONLY | O_CLOEXEC);
+        if (fd < 0)
+            return -1;
+        own = 1;
+    }
     do {
-        n = read(fd, buf, sizeof(buf) - 1);
+        n = pread(fd, buf, sizeof(buf) - 1, 0);
     } while (n < 0 && errno == EINTR);
-    close(fd);
+    if (own)
+        close(fd);
     if (n <= 0)
         return -1;
     buf[n] = '\0';

@@ -445,5 +445,7 @@ void torchmp_keeper_remove(int slot);
 int torchmp_pgroups_alive(const pid_t *pgids, int n, unsigned char *alive);
 /* 1 if pid is gone or a zombie (for workers that are not our children). */
 int torchmp_pid_exited(pid_t pid);
+/* Open what the scans read every time (once per process; errors ignored). */
+void torchmp_procscan_init(void);
 
 #endif /* TORCHMP_H */

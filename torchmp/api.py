@@ -891,14 +891,16 @@ class _NativeContext(PContext):
     def _close_group(self, group: Any, death_sig: signal.Signals, timeout: float) -> None:
         # Workers an interrupted launch started but never got to watch.
         group.adopt_forked()
-        pids = self.pids()
-        running = self._running()
+        _, ranks = group.snapshot()
+        pids = {rank: info[1] for rank, info in enumerate(ranks) if info[0] != _core.PROC_UNSTARTED}
+        running = [rank for rank, info in enumerate(ranks) if info[0] == _core.PROC_RUNNING]
         self._terminated_by_launcher |= set(running)
         # The grace period is the whole group's: a leader that is a shell
         # (sh -c 'python train.py') exits at once on SIGTERM while its child
         # is still saving a checkpoint.  Groups whose leader exited stay
         # signallable: the leader's zombie pins the group id until reap().
         busy = group.busy()
+        signalled = bool(busy)
         if busy:
             for rank in running:
                 logger.warning("Sending process %s closing signal %s", pids.get(rank), death_sig.name)
@@ -919,9 +921,12 @@ class _NativeContext(PContext):
                     "It may be in uninterruptible sleep (wedged on a device); the I/O thread "
                     "reaps it if it ever exits.", pids.get(rank), rank, KILL_GRACE_SECONDS)
             self._abandoned = set(running)
-        # The last signal: whatever joined a group meanwhile.  After reap()
-        # no group id of this context is signalled again.
-        group.killpg(int(signal.SIGKILL))
+        # The last signal: whatever joined a group meanwhile.  Not needed if
+        # every group was found empty to begin with: only a member can add
+        # to a group.  After reap() no group id of this context is signalled
+        # again.
+        if signalled:
+            group.killpg(int(signal.SIGKILL))
         self._release_foreign(group.reap())
         group.finish_streams()
         if self._forwarder is not None:
