@@ -220,7 +220,10 @@ def test_torchmp_run_with_a_closed_std_fd(tmp_path, closed):
     logs = tmp_path / "logs"
     cmd = f'exec "$0" -m torchmp run -n 3 --log-dir "$1" --no-summary -- sh -c "echo out; echo err >&2" ' \
           f'{keep}>"$2" {closed}>&-'
-    proc = subprocess.Popen(["sh", "-c", cmd, sys.executable, str(logs), str(console)], start_new_session=True)
+    # cwd: not the source tree, whose torchmp/ (without its built core, in an
+    # installed run) would shadow the installed one for python -m.
+    proc = subprocess.Popen(["sh", "-c", cmd, sys.executable, str(logs), str(console)], start_new_session=True,
+                            cwd=str(tmp_path))
     try:
         assert proc.wait(60) == 0
     finally:
