@@ -302,7 +302,7 @@ def test_failure_fail_fast_report_and_exit_code(run, tmp_path):
     assert time.monotonic() - t0 < 10  # fail-fast, not the sleep
     assert code == 7
     assert "\nsh FAILED\n" in err
-    root = err.split("Root Cause (first observed failure):\n", 1)[1].split("Other Failures:")[0]
+    root = err.split("Root Cause (first observed failure):\n", 1)[1].split("\n===")[0]
     assert "  rank      : 1 (local_rank: 1)\n" in root
     assert "  exitcode  : 7 (pid: " in root
     assert re.fullmatch(r"torchmp: summary of sh: 0/3 ranks succeeded, exit code 7, \d+\.\d\ds",

@@ -789,7 +789,7 @@ class TestRootCause:
 
 
 class TestReport:
-    def test_exact_report_root_cause_first(
+    def test_exact_report_root_cause_last_as_torch_2_13(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         monkeypatch.setattr(errors.socket, "getfqdn", lambda: "node7.example")
@@ -803,6 +803,15 @@ class TestReport:
 ============================================================
 trainer FAILED
 ------------------------------------------------------------
+Failures:
+[0]:
+  time      : {when}
+  host      : node7.example
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 1000)  (SIGTERM) [terminated by launcher]
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 1000
+------------------------------------------------------------
 Root Cause (first observed failure):
 [1]:
   time      : {when}
@@ -813,23 +822,14 @@ Root Cause (first observed failure):
   traceback : Traceback:
     boom
   
-------------------------------------------------------------
-Other Failures:
-[0]:
-  time      : {when}
-  host      : node7.example
-  rank      : 0 (local_rank: 0)
-  exitcode  : -15 (pid: 1000)  (SIGTERM) [terminated by launcher]
-  error_file: <N/A>
-  traceback : Signal 15 (SIGTERM) received by PID 1000
 ============================================================"""
         assert str(err) == expected
-        assert str(err).index("Root Cause") < str(err).index("Other Failures")
+        assert str(err).index("Failures:") < str(err).index("Root Cause")
 
     def test_single_failure_has_no_other_failures(self, tmp_path: Path) -> None:
         err = ChildFailedError("echo", {0: _fail(tmp_path, 0, ts_ns=1, exitcode=2)})
         text = str(err)
-        assert "Other Failures:\n  <NO_OTHER_FAILURES>\n" in text
+        assert "\nFailures:\n  <NO_OTHER_FAILURES>\n" in text
         assert f"traceback : {LINK_MSG}" in text
         assert text.splitlines()[2] == "echo FAILED"
 

@@ -129,6 +129,40 @@ def _as_int(value: object) -> int | None:
     return None
 
 
+# The last words of a Python rank that died of an exception: the final
+# "Traceback (most recent call last):" block of its stderr.
+_TRACEBACK_HEADER: Final = "Traceback (most recent call last):"
+
+
+def python_traceback(text: str) -> str | None:
+    """The last Python traceback in ``text`` (a rank's stderr tail), from its
+    header through the exception lines, or None if there is none."""
+    start = text.rfind(_TRACEBACK_HEADER)
+    if start < 0:
+        return None
+    lines = text[start:].rstrip().split("\n")
+    end = 1
+    while end < len(lines) and (lines[end].startswith(" ") or not lines[end]):
+        end += 1  # the frames: indented
+    # Then the exception: its first line is not indented; a multi-line
+    # message or notes follow until the text ends.
+    if end >= len(lines):
+        return None
+    return "\n".join(lines)
+
+
+def _exception_line(text: str) -> str | None:
+    """``ValueError: boom`` of the last traceback in text, if any."""
+    tb = python_traceback(text)
+    if tb is None:
+        return None
+    lines = tb.split("\n")
+    for line in lines[1:]:
+        if line and not line.startswith(" "):
+            return line
+    return None
+
+
 @dataclass
 class ProcessFailure:
     """The result of a worker process that failed, with what its error file says.
@@ -159,6 +193,13 @@ class ProcessFailure:
       root-cause ordering.
     * ``terminated_by_launcher``: the launcher killed this rank because another one
       failed first; such a rank is never chosen as the root cause.
+    * ``stderr_tail``: the last lines the rank wrote to stderr, as the launcher saw
+      them pass (or read from the end of its redirect file). With no error file, a
+      Python traceback in it gives ``message`` (its exception line) and the
+      report's traceback; any other tail gives the last line as ``message`` of a
+      non-zero exit, and is shown under the report's traceback.
+    * ``cause``: what the launcher found out about the death beyond the exit
+      status, e.g. ``"killed by the kernel OOM killer (...)"``; added to ``message``.
     """
 
     local_rank: int
@@ -170,6 +211,8 @@ class ProcessFailure:
     timestamp: int = field(init=False)
     timestamp_ns: int | None = field(default=None, kw_only=True)
     terminated_by_launcher: bool = field(default=False, kw_only=True)
+    stderr_tail: str = field(default="", kw_only=True, repr=False)
+    cause: str | None = field(default=None, kw_only=True)
     error_file_problem: str | None = field(
         init=False, default=None, repr=False, compare=False
     )
@@ -237,20 +280,29 @@ class ProcessFailure:
             self._observed_ns = time.time_ns()
             self.timestamp = self._observed_ns // _NS_PER_S
 
-        # Make up an informative message if the file did not give one.
+        # Make up an informative message if the file did not give one: the
+        # rank's own last words first, then its exit status.
         if not self.message:
-            if self.exitcode < 0:
-                # signals typically do not leave an error file
-                self.message = self._signal_message()
-            else:
+            if self.exitcode >= 0:
                 self.error_file_data["errorTraits"] = {
                     "category": "system_terminated_error",
                     "retryability": "False",
                 }
+            exception_line = _exception_line(self.stderr_tail)
+            if exception_line is not None:
+                self.message = exception_line
+            elif self.exitcode < 0:
+                # signals typically do not leave an error file
+                self.message = self._signal_message()
+            elif self.stderr_tail.strip():
+                self.message = self.stderr_tail.rstrip().rsplit("\n", 1)[-1]
+            else:
                 self.message = (
                     "To enable traceback see:"
                     " https://pytorch.org/docs/stable/elastic/errors.html"
                 )
+        if self.cause and isinstance(self.message, str):
+            self.message = f"{self.message}; {self.cause}" if self.message else self.cause
 
     def _set_problem(self, explanation: str) -> None:
         logger.warning("rank %s (pid %s): %s", self.local_rank, self.pid, explanation)
@@ -318,17 +370,17 @@ _FAILURE_FORMAT_TEMPLATE: Final = """[${idx}]:
   error_file: ${error_file}
   traceback : ${message}"""
 
-# Root cause first, then the others (torch 1.9's order; torch 2.x moved the root
-# cause to the end). The blank lines before and after are intentional, as in torch.
+# torch 2.13's layout: the other failures first, the root cause last, where it
+# is nearest to the prompt. The blank line before is intentional, as in torch.
 _MSG_FORMAT_TEMPLATE: Final = """
 ${boarder}
 ${title}
 ${section}
+Failures:
+${other_failures}
+${section}
 Root Cause (first observed failure):
 ${root_failure}
-${section}
-Other Failures:
-${other_failures}
 ${boarder}"""
 
 
@@ -336,8 +388,8 @@ class ChildFailedError(Exception):
     """Raised by a launcher when one or more of its child processes failed.
 
     ``failures`` maps each failed rank to its :class:`ProcessFailure`. The message is
-    torch's familiar report, root cause first (see :meth:`get_first_failure`), then
-    the "Other Failures"; each failure is shown with torch's fields (time, host,
+    torch 2.13's report: the other failures first, then the root cause (see
+    :meth:`get_first_failure`); each failure is shown with torch's fields (time, host,
     rank, exit code and signal, error file, traceback).
 
     Raised from a function decorated with :func:`record`, it makes the root cause's
@@ -412,6 +464,8 @@ class ChildFailedError(Exception):
             if callstack is None:
                 callstack = msg.get("message", _NOT_AVAILABLE)
             msg = str(callstack).replace("\n", "\n  ")  # indent the traceback
+        else:
+            msg = _with_last_words(failure, str(msg))
 
         signal_name = failure.signal_name()
         fmt = Template(_FAILURE_FORMAT_TEMPLATE).substitute(
@@ -431,6 +485,23 @@ class ChildFailedError(Exception):
         )
         width = max(len(line) for line in fmt.split("\n"))
         return fmt, width
+
+
+def _with_last_words(failure: ProcessFailure, message: str) -> str:
+    """The report's traceback field of a failure without an error file: the
+    Python traceback from its stderr tail, else its message followed by the
+    tail's last lines (indented for the report)."""
+    tail = failure.stderr_tail.rstrip()
+    if not tail or failure.error_file_data.get("message") not in (None, "<NONE>"):
+        return message
+    traceback = python_traceback(tail)
+    if traceback is not None:
+        text = traceback if not failure.cause else f"{traceback}\n({failure.cause})"
+    else:
+        lines = tail.split("\n")
+        text = f"{message}\nlast {len(lines)} line{'s' if len(lines) != 1 else ''} of stderr:\n" + \
+            "\n".join(f"  {line}" for line in lines)
+    return text.replace("\n", "\n  ")
 
 
 @overload
