@@ -10,7 +10,7 @@ from cpython.exc cimport PyErr_CheckSignals
 from libc.errno cimport errno, EINTR
 from libc.stdint cimport int64_t, uint64_t
 from cpython.buffer cimport PyBuffer_FillInfo
-from libc.stdlib cimport calloc, free, realloc
+from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memset, strerror
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 from posix.unistd cimport getpid, fork, close as c_close, _exit, write as c_write
@@ -247,13 +247,15 @@ cdef char **cstring_array(list items, list keep) except NULL:
 
 
 cdef int stream_spec_fill(torchmp_stream_spec *s, tuple spec, list keep) except -1:
-    """(mode, fd, console, prefix[, timestamps[, log_path[, backlog]]]) -> a
-    C stream spec.  console: the launcher's fd 1 or 2, -1 for none, or a
-    QueueConsole; log_path: bytes or None; backlog: the console bound."""
+    """(mode, fd, console, prefix[, timestamps[, log_path[, backlog[, tail]]]])
+    -> a C stream spec.  console: the launcher's fd 1 or 2, -1 for none, or a
+    QueueConsole; log_path: bytes or None; backlog: the console bound; tail:
+    how many of the last bytes to keep for Group.tail (0: none)."""
     mode, fd, console, prefix = spec[:4]
     s.timestamps = bool(spec[4]) if len(spec) > 4 else 0
     log_path = spec[5] if len(spec) > 5 else None
     s.backlog_limit = <size_t>(spec[6] if len(spec) > 6 else DEFAULT_CONSOLE_BACKLOG)
+    s.tail_bytes = <size_t>(spec[7] if len(spec) > 7 else 0)
     s.mode = mode
     s.fd = fd
     s.sink = NULL
@@ -822,6 +824,42 @@ cdef class Group:
         finally:
             free(info)
         return version, ranks
+
+    def stream_state(self):
+        """[(stdout_open, stderr_open, stdout_last_ns, stderr_last_ns)] per
+        rank: whether each teed pipe is still drained, and the
+        CLOCK_MONOTONIC time its last bytes came (0: none yet)."""
+        cdef torchmp_stream_state *st
+        cdef int i
+        if self.g == NULL:
+            raise ValueError("worker group is closed")
+        st = <torchmp_stream_state *>calloc(self.nprocs if self.nprocs else 1, sizeof(torchmp_stream_state))
+        if st == NULL:
+            raise MemoryError()
+        try:
+            torchmp_group_stream_state(self.g, st, self.nprocs)
+            return [(bool(st[i].open[0]), bool(st[i].open[1]), st[i].last_data_ns[0], st[i].last_data_ns[1])
+                    for i in range(self.nprocs)]
+        finally:
+            free(st)
+
+    def tail(self, int rank, int which=1, Py_ssize_t limit=1 << 20):
+        """The last bytes (at most limit) stream which (0 stdout, 1 stderr)
+        of rank carried, as kept by its spec's tail bound."""
+        cdef char *buf
+        cdef size_t n
+        if self.g == NULL:
+            raise ValueError("worker group is closed")
+        if limit <= 0:
+            return b""
+        buf = <char *>malloc(<size_t>limit)
+        if buf == NULL:
+            raise MemoryError()
+        try:
+            n = torchmp_group_tail(self.g, rank, which, buf, <size_t>limit)
+            return PyBytes_FromStringAndSize(buf, <Py_ssize_t>n)
+        finally:
+            free(buf)
 
     def wait(self, double timeout, uint64_t known_version):
         """Block (GIL released) until the group's change counter is no longer

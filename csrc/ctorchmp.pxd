@@ -104,6 +104,7 @@ cdef extern from "torchmp.h" nogil:
         int timestamps
         const char *log_path
         size_t backlog_limit
+        size_t tail_bytes
 
     ctypedef struct torchmp_rank_spec:
         torchmp_spawn_args args
@@ -145,6 +146,11 @@ cdef extern from "torchmp.h" nogil:
     int torchmp_group_drop_unstarted(torchmp_group *g)
     char *torchmp_group_take_capture(torchmp_group *g, int rank, size_t *len)
     uint64_t torchmp_group_snapshot(torchmp_group *g, torchmp_proc_info *out, int n)
+    ctypedef struct torchmp_stream_state:
+        int open[2]
+        int64_t last_data_ns[2]
+    void torchmp_group_stream_state(torchmp_group *g, torchmp_stream_state *out, int n)
+    size_t torchmp_group_tail(torchmp_group *g, int rank, int which, char *buf, size_t cap)
     int torchmp_group_wait(torchmp_group *g, int64_t timeout_ns, uint64_t known_version, int *watch_exits) nogil
     void torchmp_group_interrupt(torchmp_group *g)
     int torchmp_group_killpg(torchmp_group *g, int sig)

@@ -101,6 +101,11 @@ typedef struct stream {
     size_t capture_len, capture_cap;
     int capture_errno;
     int pipe_grown;            /* bytes of pipe capacity taken from the budget; -1: gave up */
+    /* mu: what failure reports and hang reports read from other threads */
+    int open;                  /* the pipe is being drained */
+    int64_t last_data_ns;      /* when bytes last came, 0: never */
+    char *tail;                /* ring of the last tail_cap bytes (NULL: none kept) */
+    size_t tail_cap, tail_len, tail_end;  /* tail_end: where the next byte goes */
     torchmp_proc *proc;
 } stream;
 
@@ -494,9 +499,30 @@ static void capture_append(torchmp_loop *L, stream *s, const char *data, size_t 
     pthread_mutex_unlock(&L->mu);
 }
 
+/* Keep the last tail_cap bytes: a failed rank's last words for its report,
+ * without reading the log file back.  Caller holds mu. */
+static void tail_append_locked(stream *s, const char *data, size_t len)
+{
+    size_t first;
+    if (len >= s->tail_cap) {
+        memcpy(s->tail, data + (len - s->tail_cap), s->tail_cap);
+        s->tail_len = s->tail_cap;
+        s->tail_end = 0;
+        return;
+    }
+    first = s->tail_cap - s->tail_end;
+    if (first > len)
+        first = len;
+    memcpy(s->tail + s->tail_end, data, first);
+    memcpy(s->tail, data + first, len - first);
+    s->tail_end = (s->tail_end + len) % s->tail_cap;
+    s->tail_len = s->tail_len + len > s->tail_cap ? s->tail_cap : s->tail_len + len;
+}
+
 static void stream_consume(torchmp_loop *L, stream *s, const char *data, size_t len)
 {
     torchmp_line_sinks sinks;
+    int64_t now;
     if (s->which == STREAM_RET) {
         capture_append(L, s, data, len);
         if (s->proc->foreign)
@@ -509,8 +535,14 @@ static void stream_consume(torchmp_loop *L, stream *s, const char *data, size_t 
         s->log_errno = errno;
         close_fd(&s->log_fd);
     }
+    now = clock_ns(CLOCK_MONOTONIC);
+    pthread_mutex_lock(&L->mu);
+    s->last_data_ns = now;
+    if (s->tail != NULL)
+        tail_append_locked(s, data, len);
+    pthread_mutex_unlock(&L->mu);
     sinks = stream_sinks(s);
-    (void)torchmp_framer_feed(&s->framer, data, len, clock_ns(CLOCK_MONOTONIC), &sinks);
+    (void)torchmp_framer_feed(&s->framer, data, len, now, &sinks);
     stream_after_frame(L, s, &sinks);
 }
 
@@ -593,6 +625,9 @@ static void stream_close(torchmp_loop *L, stream *s)
     (void)torchmp_poller_del(L->poller, s->fd);
     close_fd(&s->fd);
     close_fd(&s->log_fd);
+    pthread_mutex_lock(&L->mu);
+    s->open = 0;
+    pthread_mutex_unlock(&L->mu);
     p->group->open_streams--;
     if (s->which == STREAM_RET && p->foreign && p->info.state == TORCHMP_PROC_RUNNING && !p->exiting)
         proc_foreign_exit(L, p, 1);
@@ -663,6 +698,9 @@ static void stream_free(torchmp_loop *L, stream *s)
     s->prefix = NULL;
     free(s->capture);
     s->capture = NULL;
+    free(s->tail);
+    s->tail = NULL;
+    s->tail_cap = s->tail_len = s->tail_end = 0;
     s->capture_len = s->capture_cap = 0;
 }
 
@@ -917,10 +955,19 @@ static int stream_open(torchmp_loop *L, torchmp_proc *p, int which, const torchm
         s->source.prefix_len = spec->prefix_len;
         s->source.log_path = s->log_path;
         s->source.limit = spec->backlog_limit;
+        if (spec->tail_bytes > 0) {
+            s->tail = malloc(spec->tail_bytes);
+            if (s->tail == NULL)
+                goto fail;
+            s->tail_cap = spec->tail_bytes;
+        }
     }
     if (torchmp_poller_add(L->poller, pfd[0], s) != 0)
         goto fail;
     s->fd = pfd[0];
+    pthread_mutex_lock(&L->mu);
+    s->open = 1;
+    pthread_mutex_unlock(&L->mu);
     p->group->open_streams++;
     *child_fd = pfd[1];
     return 0;
@@ -1754,6 +1801,47 @@ uint64_t torchmp_group_snapshot(torchmp_group *g, torchmp_proc_info *out, int n)
     version = g->version;
     pthread_mutex_unlock(&L->mu);
     return version;
+}
+
+void torchmp_group_stream_state(torchmp_group *g, torchmp_stream_state *out, int n)
+{
+    torchmp_loop *L = g->loop;
+    int ours = group_is_ours(g);
+    if (n > g->nprocs)
+        n = g->nprocs;
+    if (ours)
+        pthread_mutex_lock(&L->mu);
+    for (int i = 0; i < n; i++) {
+        for (int w = STREAM_OUT; w <= STREAM_ERR; w++) {
+            out[i].open[w] = g->procs[i].streams[w].open;
+            out[i].last_data_ns[w] = g->procs[i].streams[w].last_data_ns;
+        }
+    }
+    if (ours)
+        pthread_mutex_unlock(&L->mu);
+}
+
+size_t torchmp_group_tail(torchmp_group *g, int rank, int which, char *buf, size_t cap)
+{
+    torchmp_loop *L = g->loop;
+    int ours = group_is_ours(g);
+    size_t n = 0, start;
+    stream *s;
+    if (rank < 0 || rank >= g->nprocs || (which != STREAM_OUT && which != STREAM_ERR))
+        return 0;
+    s = &g->procs[rank].streams[which];
+    if (ours)
+        pthread_mutex_lock(&L->mu);
+    if (s->tail != NULL) {
+        n = s->tail_len < cap ? s->tail_len : cap;
+        /* the newest n bytes end at tail_end */
+        start = (s->tail_end + s->tail_cap - n) % s->tail_cap;
+        for (size_t i = 0; i < n; i++)
+            buf[i] = s->tail[(start + i) % s->tail_cap];
+    }
+    if (ours)
+        pthread_mutex_unlock(&L->mu);
+    return n;
 }
 
 /* How long a waiting caller woken by a worker's exit polls for the I/O

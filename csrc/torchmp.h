@@ -295,6 +295,7 @@ typedef struct {
     int timestamps;            /* TEE: a time on every console line */
     const char *log_path;      /* TEE: named by the console's marker line (copied; NULL: none) */
     size_t backlog_limit;      /* TEE: console backlog bound for this stream, bytes */
+    size_t tail_bytes;         /* TEE: keep the last this many bytes for failure reports (0: none) */
 } torchmp_stream_spec;
 
 typedef struct {
@@ -377,6 +378,20 @@ char *torchmp_group_take_capture(torchmp_group *g, int rank, size_t *len);
 
 /* Copy the per-rank state; returns the group's change counter. */
 uint64_t torchmp_group_snapshot(torchmp_group *g, torchmp_proc_info *out, int n);
+
+/* What the loop knows of one rank's teed streams (index 0 stdout, 1 stderr),
+ * a copy taken under the loop mutex. */
+typedef struct {
+    int open[2];               /* the pipe is still being drained */
+    int64_t last_data_ns[2];   /* CLOCK_MONOTONIC of the last bytes read, 0: none yet */
+} torchmp_stream_state;
+
+/* Fill out[0..n) (n is clamped to nprocs). */
+void torchmp_group_stream_state(torchmp_group *g, torchmp_stream_state *out, int n);
+
+/* Copy the last bytes stream `which` (0 stdout, 1 stderr) of `rank` carried,
+ * oldest first, into buf (at most cap bytes); returns how many. */
+size_t torchmp_group_tail(torchmp_group *g, int rank, int which, char *buf, size_t cap);
 
 /* Sleep until the group's change counter differs from known_version (the
  * one of the caller's last snapshot), torchmp_group_interrupt is called, or

@@ -5,7 +5,7 @@ name here exists in the module with the same parameters, and every public
 name of the module is declared here.
 """
 
-from typing import Final
+from typing import Any, Final
 
 __version__: Final[str]
 PORTABLE_BUILD: Final[bool]
@@ -24,8 +24,9 @@ PROC_EXITED: Final[int]
 
 STEP_EXEC: Final[int]
 
-# (mode, fd, console, prefix[, timestamps]): how one stream of a rank is wired.
-_StreamSpec = tuple[int, int, int, bytes | None] | tuple[int, int, int, bytes | None, bool]
+# (mode, fd, console, prefix[, timestamps[, log_path[, backlog[, tail]]]]):
+# how one stream of a rank is wired.
+_StreamSpec = tuple[Any, ...]
 # (path, argv, envp, out, err, ret, payload_fd): one rank of Group.spawn.
 _RankSpec = tuple[bytes, list[bytes], list[bytes], _StreamSpec, _StreamSpec, _StreamSpec, int]
 # (state, pid, wait_status, start_mono_ns, exit_mono_ns, exit_real_ns,
@@ -96,6 +97,8 @@ class Group:
     def take_return(self, rank: int) -> CaptureBuffer | bytes: ...
     def version(self) -> int: ...
     def snapshot(self) -> tuple[int, list[_ProcInfo]]: ...
+    def stream_state(self) -> list[tuple[bool, bool, int, int]]: ...
+    def tail(self, rank: int, which: int = ..., limit: int = ...) -> bytes: ...
     def wait(self, timeout: float, known_version: int) -> bool: ...
     def killpg(self, sig: int) -> None: ...
     def busy(self) -> list[int]: ...
