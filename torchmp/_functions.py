@@ -41,8 +41,8 @@ from typing import Any
 
 from torchmp import _core, _worker
 from torchmp.api import (
-    _CAPTURE, KILL_GRACE_SECONDS, SignalException, _ExecPlan, _NativeContext, _exec_env, _launcher_environ,
-    handled_signals, logger,
+    _CAPTURE, KILL_GRACE_SECONDS, RunProcsResult, SignalException, _ExecPlan, _NativeContext, _exec_env,
+    _launcher_environ, handled_signals, logger,
 )
 from torchmp.logs_specs import LogsSpecs
 
@@ -239,6 +239,17 @@ class MultiprocessContext(_NativeContext):
             self._close(signal.SIGKILL, timeout=KILL_GRACE_SECONDS)
 
     # -- results ----------------------------------------------------------------
+    def _build_result(self, ranks: list[tuple[Any, ...]]) -> RunProcsResult:
+        # torch's function contexts report the ranks that failed by
+        # themselves, not the siblings torchmp then terminated (its binary
+        # contexts do list those, and so do torchmp's).  If torchmp killed
+        # every failed rank (close() while all were running), they stay.
+        result = super()._build_result(ranks)
+        own = {rank: f for rank, f in result.failures.items() if not f.terminated_by_launcher}
+        if own:
+            result.failures = own
+        return result
+
     def _return_values(self, exited_ok: list[int]) -> dict[int, Any]:
         values: dict[int, Any] = {}
         for rank in range(self.nprocs):

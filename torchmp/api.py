@@ -39,14 +39,15 @@ launcher got a signal     ``SignalException`` (from ``start``/``wait``)
 
 from __future__ import annotations
 
-import _signal  # type: ignore[import-not-found]  # the C half of signal, without its enum wrapping
 import abc
 import atexit
+import contextlib
 import errno
 import logging
 import os
 import signal
 import stat
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -82,6 +83,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# torch's private name, which its tests import.
+_validate_full_rank = validate_full_rank
 
 # How long close() waits for a SIGKILLed worker before abandoning it: a worker
 # in uninterruptible sleep (D state, e.g. wedged on a device) cannot be reaped,
@@ -148,20 +152,36 @@ def handled_signals() -> list[signal.Signals]:
     return found
 
 
+# torch's names, looked up through this module at call time (torch's tests
+# replace them to watch what start() does).
+IS_WINDOWS = sys.platform == "win32"
+_WINDOWS_UNSUPPORTED = ("SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+
+
 def _install_signal_handlers() -> None:
+    """Turn TORCHELASTIC_SIGNALS_TO_HANDLE into SignalException, with torch's
+    log lines; only the main thread can install handlers."""
     if threading.current_thread() is not threading.main_thread():
         logger.warning(
-            "Failed to register signal handlers since torchmp is running on a child thread. "
-            "This could lead to orphaned worker processes if the launcher is terminated."
+            "Failed to register signal handlers since torchelastic is running on a child thread. "
+            "This could lead to orphaned worker processes if the torchrun is terminated."
         )
         return
-    for sig in handled_signals():
+    names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+    for sig_name in names.split(","):
+        sig_name = sig_name.strip()
+        if not sig_name:
+            continue
         try:
-            # _signal: signal.signal's enum conversions cost more than the
-            # system call, on every launch.
-            _signal.signal(sig, _terminate_process_handler)
-        except (OSError, ValueError, RuntimeError) as e:
-            logger.warning("Failed to register signal handler for %s: %s", sig.name, e)
+            signal.signal(getattr(signal, sig_name), _terminate_process_handler)
+            logger.info("Registered signal handler for %s", sig_name)
+        except (AttributeError, ValueError, OSError) as e:
+            logger.warning("Failed to register signal handler for %s: %s", sig_name, e)
+        except RuntimeError as e:
+            if IS_WINDOWS and sig_name in _WINDOWS_UNSUPPORTED:
+                logger.info("Signal %s is not supported on Windows, skipping", sig_name)
+            else:
+                logger.warning("Failed to register signal handler for %s: %s", sig_name, e)
 
 
 @dataclass(frozen=True)
@@ -201,6 +221,33 @@ class RunProcsResult:
         return len(self.failures) > 0
 
 
+class TeeTail:
+    """One teed stream of one rank, in the place of torch's ``TailLog``
+    threads (``PContext._tail_logs``): torchmp's I/O thread does the
+    teeing, so there is nothing to start or stop; ``stopped()`` says whether
+    the stream has been drained to its end and closed."""
+
+    def __init__(self, context: PContext, rank: int, which: int) -> None:
+        self.context = context
+        self.rank = rank
+        self.which = which  # 0 stdout, 1 stderr
+        self._started = False
+
+    def start(self) -> TeeTail:
+        self._started = True
+        return self
+
+    def stop(self) -> None:
+        """Nothing to stop: the stream ends with the worker (close() drains it)."""
+
+    def stopped(self) -> bool:
+        return self._started and self.context._stream_done(self.rank, self.which)
+
+    def __repr__(self) -> str:
+        what = ("stdout", "stderr")[self.which]
+        return f"<TeeTail {self.context.name} rank {self.rank} {what} stopped={self.stopped()}>"
+
+
 class PContext(abc.ABC):
     """Base class of a set of launched workers (torch's ``PContext``).
 
@@ -237,6 +284,12 @@ class PContext(abc.ABC):
         self.duplicate_stdout_filters = duplicate_stdout_filters
         self.duplicate_stderr_filters = duplicate_stderr_filters
         self._logs_dest = logs_dest
+        # torch's tailers, one per teed stream of each rank (see TeeTail).
+        self._tail_logs: list[TeeTail] = [
+            TeeTail(self, rank, which)
+            for which, tees in enumerate((logs_dest.tee_stdouts, logs_dest.tee_stderrs))
+            for rank in sorted(tees)
+        ]
 
     def start(self) -> None:
         """Start the workers; on the main thread, first install the handlers
@@ -248,6 +301,14 @@ class PContext(abc.ABC):
         refuse_nested_launch()
         _install_signal_handlers()
         self._start()
+        for tail in self._tail_logs:
+            tail.start()
+
+    def _stream_done(self, rank: int, which: int) -> bool:
+        """Whether the teed stream ``which`` (0 stdout, 1 stderr) of ``rank``
+        has reached its end and every byte of it was written out.  Contexts
+        that tee override this; the base has nothing teed to wait for."""
+        return True
 
     @abc.abstractmethod
     def _start(self) -> None:
@@ -498,6 +559,60 @@ def _exec_env(rank: int, overrides: Mapping[Any, Any], base: dict[bytes, bytes] 
     return list(entries.values())
 
 
+# A failed rank's report carries the last lines of its stderr: this many by
+# default, and at most TAIL_BYTES_PER_LINE bytes per line kept in memory.
+DEFAULT_STDERR_TAIL_LINES = 20
+TAIL_BYTES_PER_LINE = 400
+
+
+def stderr_tail_bound(value: object = None) -> int:
+    """The number of stderr lines a failure report keeps: ``value``, else
+    ``$TORCHMP_STDERR_TAIL``, else 20.  Raises ValueError for anything but a
+    non-negative int (checked before anything starts)."""
+    source = "stderr_tail"
+    if value is None:
+        env = os.environ.get("TORCHMP_STDERR_TAIL")
+        if env is None or env.strip() == "":
+            return DEFAULT_STDERR_TAIL_LINES
+        source, value = "TORCHMP_STDERR_TAIL", env.strip()
+        try:
+            value = int(value)
+        except ValueError:
+            raise ValueError(f"{source} must be a number of lines, got {env!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{source} must be a non-negative number of lines, got {value!r}")
+    return value
+
+
+def _last_lines(data: bytes, lines: int, truncated: bool) -> str:
+    """The last ``lines`` lines of data as text; a first line cut by the
+    byte bound (truncated) is dropped."""
+    if truncated:
+        cut = data.find(b"\n")
+        data = data[cut + 1:] if cut >= 0 else b""
+    text = data.decode("utf-8", errors="replace").replace("\r\n", "\n")
+    kept = text.rstrip("\n").split("\n")[-lines:] if lines else []
+    return "\n".join(line.rsplit("\r", 1)[-1] for line in kept).strip("\n")
+
+
+def _file_tail(path: str, nbytes: int) -> tuple[bytes, bool]:
+    """The last nbytes of a file, and whether there was more before them."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK)
+    except OSError:
+        return b"", False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return b"", False
+        size = os.lseek(fd, 0, os.SEEK_END)
+        start = max(0, size - nbytes)
+        return os.pread(fd, size - start, start), start > 0
+    except OSError:
+        return b"", False
+    finally:
+        os.close(fd)
+
+
 class _NativeContext(PContext):
     """A PContext whose workers the native I/O thread starts, watches and
     reaps.  Subclasses only say how each rank is started (``_launch``)."""
@@ -510,6 +625,12 @@ class _NativeContext(PContext):
     # How long siblings get after SIGTERM when a rank fails, before SIGKILL
     # (torch's fixed 30 s by default).
     fail_fast_timeout: float = 30
+    # torchmp extension: how many of its last stderr lines a failed rank's
+    # report carries (0: none; see stderr_tail_bound).
+    stderr_tail: int = DEFAULT_STDERR_TAIL_LINES
+    # torchmp extension: pass a stderr that is neither teed nor redirected
+    # through the I/O thread too (unprefixed), so failures get its tail.
+    watch_stderr: bool = False
 
     def __init__(
         self,
@@ -549,6 +670,11 @@ class _NativeContext(PContext):
         # The last snapshot, kept once close() has released the native group.
         self._final: tuple[int, list[tuple[Any, ...]]] | None = None
         self._forwarder: _console.Forwarder | None = None
+        # Failed ranks' stderr tails, taken from the native group before it
+        # is released: (bytes, whether the bound cut older bytes).
+        self._tails: dict[int, tuple[bytes, bool]] = {}
+        # The OOM killer's count at start, to name its kills (None: unknown).
+        self._oom_watch: Any = None
 
     # -- what and how to start (subclass) -----------------------------------
     @abc.abstractmethod
@@ -606,15 +732,20 @@ class _NativeContext(PContext):
         paths = self.stdouts if which == 0 else self.stderrs
         tees = self._logs_dest.tee_stdouts if which == 0 else self._logs_dest.tee_stderrs
         path = paths.get(rank, "")
+        tail = self.stderr_tail * TAIL_BYTES_PER_LINE if which == 1 else 0
+        console = consoles[which]
+        sink = console.queue if isinstance(console, _console.ObjectConsole) else console
         if not path:
+            if which == 1 and self.watch_stderr and tail:
+                # Shown as it was (no prefix), but through a pipe: the tail
+                # is kept as it passes.
+                return (_core.STREAM_TEE, -1, sink, b"", False, None, backlog, tail)
             return (_core.STREAM_INHERIT, -1, -1, None)
         fd = _open_log(path)
         opened.append(fd)
         if rank in tees:
-            console = consoles[which]
-            sink = console.queue if isinstance(console, _console.ObjectConsole) else console
             return (_core.STREAM_TEE, fd, sink, self._prefix(rank), self.log_line_timestamps,
-                    os.fsencode(os.path.abspath(path)), backlog)
+                    os.fsencode(os.path.abspath(path)), backlog, tail)
         return (_core.STREAM_FILE, fd, -1, None)
 
     # Launcher fds per rank beyond its streams: the pidfd, plus what a
@@ -668,7 +799,7 @@ class _NativeContext(PContext):
         consoles: list[Any] = [-1, -1]
         if self._logs_dest.tee_stdouts:
             consoles[0] = _console.console_for(0)
-        if self._logs_dest.tee_stderrs:
+        if self._logs_dest.tee_stderrs or (self.watch_stderr and self.stderr_tail):
             consoles[1] = _console.console_for(1)
         objects = [c for c in consoles if isinstance(c, _console.ObjectConsole)]
         opened: list[int] = []
@@ -782,13 +913,19 @@ class _NativeContext(PContext):
                 if failures[rank].error_file_data.get("message") in (None, "<NONE>"):
                     failures[rank].message = problem
             elif code != 0:
+                # A lost status (the forkserver died with its workers) is a
+                # failure of its own, whatever close() sent meanwhile.
+                killed = rank in self._terminated_by_launcher and not status_lost
                 failures[rank] = ProcessFailure(
                     local_rank=rank,
                     pid=pid,
                     exitcode=code,
                     error_file=self.error_files.get(rank, ""),
                     timestamp_ns=exit_real_ns,
-                    terminated_by_launcher=rank in self._terminated_by_launcher,
+                    terminated_by_launcher=killed,
+                    # A rank torchmp killed has nothing to say about the failure.
+                    stderr_tail="" if killed else self._stderr_tail(rank),
+                    cause=None if killed else self._death_cause(pid, code),
                 )
                 if status_lost:
                     why = self._lost_status_reason(rank)
@@ -934,6 +1071,7 @@ class _NativeContext(PContext):
         # Free the native side now (fds included) rather than whenever the
         # garbage collector gets to this object.
         self._final = group.snapshot()
+        self._keep_tails(group, self._final[1])
         self._before_release(group)
         # Closed before the release: an interrupt landing in between must not
         # make a retried close() use a released group.
@@ -943,6 +1081,78 @@ class _NativeContext(PContext):
 
     def _release_foreign(self, pids: list[int]) -> None:
         """Workers started by a forkserver: tell it to reap these."""
+
+    def _keep_tails(self, group: Any, ranks: list[tuple[Any, ...]]) -> None:
+        if not self.stderr_tail:
+            return
+        cap = self.stderr_tail * TAIL_BYTES_PER_LINE
+        for rank, info in enumerate(ranks):
+            if info[0] == _core.PROC_EXITED and info[2] != 0:
+                data = group.tail(rank, 1, cap + 1)
+                if data:
+                    self._tails[rank] = (data[-cap:], len(data) > cap)
+
+    def _death_cause(self, pid: int, exitcode: int) -> str | None:
+        """Why a rank died, where the exit status does not say: a SIGKILL
+        torchmp did not send is checked against the OOM killer's count."""
+        if exitcode != -signal.SIGKILL or self._oom_watch is None:
+            return None
+        return self._oom_watch.explain(pid)
+
+    def _stderr_tail(self, rank: int) -> str:
+        """The last stderr lines of a failed rank: as the I/O thread kept
+        them, or read from the end of its redirect file."""
+        if not self.stderr_tail:
+            return ""
+        data, truncated = self._tails.get(rank, (b"", False))
+        path = self.stderrs.get(rank, "")
+        if not data and path and rank not in self._logs_dest.tee_stderrs:
+            data, truncated = _file_tail(path, self.stderr_tail * TAIL_BYTES_PER_LINE)
+        return _last_lines(data, self.stderr_tail, truncated)
+
+    def _stream_done(self, rank: int, which: int) -> bool:
+        if self._group is None:
+            return False
+        if self._final is not None:
+            return True  # close() drained every stream before the release
+        try:
+            return not self._group.stream_state()[rank][which]
+        except ValueError:
+            return self._final is not None
+
+    def output_ages(self) -> dict[int, float | None]:
+        """Seconds since each rank last wrote to stdout or stderr, as far as
+        torchmp can see: teed streams as the bytes pass, redirected ones by
+        their log file's modification time; None where it cannot tell (a
+        stream written straight to the launcher's terminal) or before the
+        first byte."""
+        if self._group is None or self._final is not None:
+            return {}
+        try:
+            state = self._group.stream_state()
+        except ValueError:
+            return {}
+        now_mono = time.monotonic_ns()
+        now_real = time.time()
+        ages: dict[int, float | None] = {}
+        for rank, (_out_open, _err_open, out_ns, err_ns) in enumerate(state):
+            age: float | None = None
+            last = max(out_ns, err_ns)
+            if last:
+                age = (now_mono - last) / 1e9
+            for paths, tees in ((self.stdouts, self._logs_dest.tee_stdouts),
+                                (self.stderrs, self._logs_dest.tee_stderrs)):
+                path = paths.get(rank, "")
+                if path and rank not in tees:
+                    try:
+                        st = os.stat(path)
+                    except OSError:
+                        continue
+                    file_age = max(0.0, now_real - st.st_mtime)
+                    if st.st_size and (age is None or file_age < age):
+                        age = file_age
+            ages[rank] = age
+        return ages
 
 
 # Contexts started and not closed yet: closed the normal way (death signal,
@@ -1015,6 +1225,44 @@ class SubprocessContext(_NativeContext):
         self._spawn(group, streams, plans)
 
 
+def _wrap(
+    local_rank: int,
+    fn: Callable[..., Any],
+    args: dict[int, tuple[Any, ...]],
+    envs: dict[int, dict[str, str]],
+    stdout_redirects: dict[int, str],
+    stderr_redirects: dict[int, str],
+    ret_vals: dict[int, Any],
+    queue_finished_reading_event: Any,
+    numa_options: Any = None,
+) -> None:
+    """torch's body of a function worker, run in the calling process: the
+    rank's env applied to ``os.environ``, stdout/stderr redirected at the fd
+    level to the given files ("" for none), ``fn`` run under ``record``, its
+    return value put on ``ret_vals[local_rank]``, then a wait on the event.
+    torchmp's own workers do not go through this (see torchmp._worker)."""
+    from torchmp.errors import record
+    from torchmp.redirects import redirect_stderr, redirect_stdout
+
+    if numa_options is not None:
+        raise NotImplementedError("numa_options is not supported by torchmp; pass None")
+    rank_args = args[local_rank]
+    rank_env = envs[local_rank]
+    ret_val = ret_vals[local_rank]
+    out_path = stdout_redirects[local_rank]
+    err_path = stderr_redirects[local_rank]
+    for key, value in rank_env.items():
+        os.environ[key] = value
+    with contextlib.ExitStack() as stack:
+        if out_path:
+            stack.enter_context(redirect_stdout(out_path))
+        if err_path:
+            stack.enter_context(redirect_stderr(err_path))
+        ret = record(fn)(*rank_args)
+    ret_val.put(ret)
+    queue_finished_reading_event.wait()
+
+
 def _function_context_class() -> type[PContext]:
     from torchmp._functions import MultiprocessContext as cls
 
@@ -1067,12 +1315,21 @@ def start_processes(
     ``console_backlog`` (bytes, or a size like ``"16M"``) bounds what each
     teed stream may leave waiting for a console that falls behind (default
     4 MiB, or ``TORCHMP_CONSOLE_BACKLOG``); past it, whole lines are left
-    out of the console only, and a marker line says how many.
+    out of the console only, and a marker line says how many;
+    ``stderr_tail`` (lines, default 20 or ``TORCHMP_STDERR_TAIL``; 0: off)
+    is how much of a failed rank's stderr its :class:`ProcessFailure` keeps
+    (``stderr_tail``, and the message when there is no error file);
+    ``watch_stderr=True`` routes a stderr that is neither teed nor redirected
+    through torchmp too, unchanged on the console, so its tail is kept (the
+    worker then writes to a pipe, not a terminal).
     """
     timestamps = bool(kwargs.pop("log_line_timestamps", False))
     console_backlog = kwargs.pop("console_backlog", None)
-    # Checked before anything starts (the env var too).
+    stderr_tail = kwargs.pop("stderr_tail", None)
+    watch_stderr = bool(kwargs.pop("watch_stderr", False))
+    # Checked before anything starts (the env vars too).
     backlog = _console.backlog_bound(console_backlog)
+    tail_lines = stderr_tail_bound(stderr_tail)
     legacy = "log_dir" in kwargs or isinstance(logs_specs, (str, bytes, os.PathLike))
     if legacy:
         names: tuple[str, ...] = ("start_method", "redirects", "tee")
@@ -1144,6 +1401,8 @@ def start_processes(
         context.log_line_timestamps = True  # type: ignore[attr-defined]
     if console_backlog is not None:
         context.console_backlog = backlog  # type: ignore[attr-defined]
+    context.stderr_tail = tail_lines  # type: ignore[attr-defined]
+    context.watch_stderr = watch_stderr  # type: ignore[attr-defined]
     try:
         context.start()
     except BaseException as e:
