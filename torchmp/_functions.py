@@ -41,12 +41,13 @@ from typing import Any
 
 from torchmp import _core, _worker
 from torchmp.api import (
-    _CAPTURE, KILL_GRACE_SECONDS, RunProcsResult, SignalException, _ExecPlan, _NativeContext, _exec_env,
-    _launcher_environ, handled_signals, logger,
+    _CAPTURE, KILL_GRACE_SECONDS, RunProcsResult, SignalException, _ExecPlan, _exec_env, _exitcode,
+    _launcher_environ, _NativeContext, handled_signals, logger,
 )
+from torchmp.errors import ProcessFailure
 from torchmp.logs_specs import LogsSpecs
 
-__all__ = ["MultiprocessContext"]
+__all__ = ["MultiprocessContext", "ProcessExitedException", "WorkerView", "WorkersView"]
 
 START_METHODS = ("spawn", "fork", "forkserver")
 
@@ -93,6 +94,104 @@ def _check_picklable(start_method: str, entrypoint: Callable[..., Any], args: di
             raise ValueError(f"args[{rank}] cannot be pickled for start_method={start_method!r}: {e}") from None
 
 
+class ProcessExitedException(Exception):
+    """A worker exited with a non-zero code or by a signal, as
+    ``torch.multiprocessing.ProcessExitedException`` says it (raised by
+    ``MultiprocessContext._pc.join``)."""
+
+    def __init__(self, msg: str, error_index: int, error_pid: int, exit_code: int,
+                 signal_name: str | None = None) -> None:
+        super().__init__(msg)
+        self.msg = msg
+        self.error_index = error_index
+        self.error_pid = error_pid
+        self.exit_code = exit_code
+        self.signal_name = signal_name
+
+
+def _names_failed_worker(e: BaseException) -> bool:
+    # torch.multiprocessing's ProcessRaisedException and ProcessExitedException
+    # (a replaced _pc may raise them) and torchmp's own, without importing torch.
+    return isinstance(e, Exception) and hasattr(e, "error_index") and hasattr(e, "error_pid")
+
+
+class WorkerView:
+    """One rank of a function context as ``torch.multiprocessing``'s
+    ``Process`` shows it to a launcher: ``pid``, ``exitcode``,
+    ``is_alive()``, ``join(timeout)``.  A read-only view of the native
+    group; signals go to process groups through the context (close())."""
+
+    def __init__(self, context: MultiprocessContext, rank: int) -> None:
+        self._context = context
+        self.rank = rank
+
+    def _info(self) -> tuple[Any, ...]:
+        return self._context._snapshot()[1][self.rank]
+
+    @property
+    def pid(self) -> int | None:
+        info = self._info()
+        return None if info[0] == _core.PROC_UNSTARTED else int(info[1])
+
+    @property
+    def exitcode(self) -> int | None:
+        info = self._info()
+        return _exitcode(info[2]) if info[0] == _core.PROC_EXITED else None
+
+    def is_alive(self) -> bool:
+        return bool(self._info()[0] == _core.PROC_RUNNING)
+
+    def join(self, timeout: float | None = None) -> None:
+        self._context._wait_for(lambda ranks: ranks[self.rank][0] != _core.PROC_RUNNING, timeout)
+
+
+class WorkersView:
+    """The workers of a function context as ``torch.multiprocessing``'s
+    ``ProcessContext`` (``MultiprocessContext._pc`` in torch): ``processes``,
+    ``pids()``, and ``join(timeout)``, which returns True once every worker
+    exited with code 0, False while some run (after waiting up to timeout
+    seconds for the next exit; negative: no wait), and raises
+    :class:`ProcessExitedException` naming the first worker that failed.
+    Unlike torch's, join() does not terminate the others: the context's
+    fail-fast close() does."""
+
+    def __init__(self, context: MultiprocessContext) -> None:
+        self._context = context
+        self.processes = [WorkerView(context, rank) for rank in range(context.nprocs)]
+
+    def pids(self) -> list[int]:
+        return [p for p in self._context.pids().values()]
+
+    def join(self, timeout: float | None = None) -> bool:
+        ctx = self._context
+        ranks = ctx._wait_for(_any_change_after(ctx), timeout)
+        failed = [(rank in ctx._terminated_by_launcher, info[5], rank, info)
+                  for rank, info in enumerate(ranks)
+                  if info[0] == _core.PROC_EXITED and info[2] != 0]
+        if failed:
+            _, _, rank, info = min(failed)
+            code = _exitcode(info[2])
+            name = signal.Signals(-code).name if code < 0 and -code in _SIGNAL_NUMBERS else None
+            what = f"signal {name}" if name else f"exit code {code}"
+            raise ProcessExitedException(f"process {rank} terminated with {what}", rank, int(info[1]), code, name)
+        return all(info[0] == _core.PROC_EXITED for info in ranks)
+
+
+_SIGNAL_NUMBERS = {int(s) for s in signal.Signals}
+
+
+def _any_change_after(ctx: MultiprocessContext) -> Callable[[list[tuple[Any, ...]]], bool]:
+    """A condition true once a worker exits (or every worker has): the
+    'blocks until a process exits' of torch's join()."""
+    first = [info[0] for info in ctx._snapshot()[1]] if ctx._group is not None else []
+
+    def changed(ranks: list[tuple[Any, ...]]) -> bool:
+        states = [info[0] for info in ranks]
+        return states != first or all(s != _core.PROC_RUNNING for s in states)
+
+    return changed
+
+
 class MultiprocessContext(_NativeContext):
     """``PContext`` holding worker processes invoked as a function."""
 
@@ -125,6 +224,8 @@ class MultiprocessContext(_NativeContext):
             name, entrypoint, args, envs, logs_specs, log_line_prefixes, numa_options,
             duplicate_stdout_filters, duplicate_stderr_filters,
         )
+        # torch's handle on the workers (its mp.ProcessContext): a view here.
+        self._pc: Any = None
         self._return_values_cache: dict[int, Any] = {}
         # Each rank's pickled return value as the I/O thread captured it (no
         # copy), until unpickled.
@@ -238,7 +339,52 @@ class MultiprocessContext(_NativeContext):
         finally:
             self._close(signal.SIGKILL, timeout=KILL_GRACE_SECONDS)
 
+    def _start(self) -> None:
+        super()._start()
+        self._pc = WorkersView(self)
+
     # -- results ----------------------------------------------------------------
+    def _is_done(self) -> bool:
+        """Every worker exited with code 0 (torch: every return value came)."""
+        if self._group is None:
+            return False
+        return all(info[0] == _core.PROC_EXITED and info[2] == 0 for info in self._snapshot()[1])
+
+    def _poll(self) -> RunProcsResult | None:
+        # torch's shape, over _pc: a failed worker makes join() raise; once
+        # all are done, join until each has exited.
+        if self._result is not None:
+            return self._result
+        pc = self._pc
+        if pc is None:
+            raise RuntimeError("wait()/poll before start()")
+        try:
+            pc.join(-1)
+            if not self._is_done() and not self._closed:
+                return None
+            while not pc.join():
+                logger.debug("entrypoint fn finished, waiting for all child procs to exit...")
+        except Exception as e:
+            if not _names_failed_worker(e):
+                raise
+            if self._group is None:
+                return self._result_from(e)  # a replaced _pc: only it knows the failure
+        return self._finish()
+
+    def _result_from(self, e: Any) -> RunProcsResult:
+        """torch's result for a failure that only a replaced ``_pc`` knows of."""
+        rank = int(e.error_index)
+        exitcode = self._pc.processes[rank].exitcode
+        logger.error("failed (exitcode: %s) local_rank: %s (pid: %s) of fn: %s (start_method: %s)",
+                     exitcode, rank, e.error_pid, getattr(self.entrypoint, "__qualname__", self.entrypoint),
+                     self.start_method)
+        self.close()
+        self._result = RunProcsResult(
+            failures={rank: ProcessFailure(local_rank=rank, pid=e.error_pid, exitcode=exitcode,
+                                           error_file=self.error_files.get(rank, ""))},
+            stdouts=self.stdouts, stderrs=self.stderrs)
+        return self._result
+
     def _build_result(self, ranks: list[tuple[Any, ...]]) -> RunProcsResult:
         # torch's function contexts report the ranks that failed by
         # themselves, not the siblings torchmp then terminated (its binary

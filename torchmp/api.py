@@ -858,11 +858,14 @@ class _NativeContext(PContext):
         _, ranks = self._snapshot()
         if not self._decided(ranks) and not self._closed:
             return None
-        running = {r for r, info in enumerate(ranks) if info[0] == _core.PROC_RUNNING}
+        return self._finish()
+
+    def _finish(self) -> RunProcsResult:
+        """The result, once decided: close (fail-fast), collect, settle."""
         # Fail-fast: the first failure terminates the siblings, whose exits
         # are recorded too but are never the root cause.
         self.close(timeout=self.fail_fast_timeout)  # type: ignore[arg-type]
-        _, ranks = self._snapshot()
+        ranks = self._snapshot()[1] if self._group is not None else []
         self._result = self._build_result(ranks)
         # Every line is in the log files now.  The consoles: all of it for
         # an object console; a live fd console is followed until it caught
@@ -982,6 +985,26 @@ class _NativeContext(PContext):
                 group.wait(remaining, version)
             except ValueError:
                 pass  # closed by another thread or a handler: _poll has the result
+
+    def _wait_for(self, condition: Callable[[list[tuple[Any, ...]]], bool],
+                  timeout: float | None) -> list[tuple[Any, ...]]:
+        """Wait until condition(per-rank snapshot) holds, up to timeout
+        seconds (None: forever; 0 or less: look once); the last snapshot."""
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        while True:
+            group = self._group
+            if group is None:
+                return []
+            version, ranks = self._snapshot()
+            if condition(ranks) or self._final is not None:
+                return ranks
+            remaining = -1.0 if deadline is None else deadline - time.monotonic()
+            if deadline is not None and remaining <= 0:
+                return ranks
+            try:
+                group.wait(remaining, version)
+            except ValueError:
+                pass  # released by a close(): the final snapshot is next
 
     # -- terminate ----------------------------------------------------------
     def _running(self) -> list[int]:
