@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
-from torchmp import _console, _core
+from torchmp import _console, _core, _oom
 from torchmp.errors import ProcessFailure
 from torchmp.logs_specs import (
     DefaultLogsSpecs,
@@ -732,7 +732,8 @@ class _NativeContext(PContext):
         paths = self.stdouts if which == 0 else self.stderrs
         tees = self._logs_dest.tee_stdouts if which == 0 else self._logs_dest.tee_stderrs
         path = paths.get(rank, "")
-        tail = self.stderr_tail * TAIL_BYTES_PER_LINE if which == 1 else 0
+        # One byte over the bound: tells whether older bytes were cut.
+        tail = self.stderr_tail * TAIL_BYTES_PER_LINE + 1 if which == 1 and self.stderr_tail else 0
         console = consoles[which]
         sink = console.queue if isinstance(console, _console.ObjectConsole) else console
         if not path:
@@ -796,6 +797,9 @@ class _NativeContext(PContext):
         _console.claim_std_fds()
         backlog = _console.backlog_bound(self.console_backlog)
         self._ensure_fd_budget()
+        # The OOM killer's count before any rank runs: a later SIGKILL that
+        # torchmp did not send is checked against it.
+        self._oom_watch = _oom.start_watch()
         consoles: list[Any] = [-1, -1]
         if self._logs_dest.tee_stdouts:
             consoles[0] = _console.console_for(0)

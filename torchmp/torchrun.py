@@ -46,6 +46,7 @@ from typing import Any
 
 import torchmp
 from torchmp import api as _tm_api
+from torchmp.errors import last_words
 
 __all__ = ["main", "patched", "start_processes", "TorchNotAvailable"]
 
@@ -138,6 +139,12 @@ def to_torch_failure(failure: torchmp.ProcessFailure) -> Any:
     out.error_file_data = dict(data) if isinstance(data, dict) else data
     out.message = failure.message
     out.timestamp = failure.timestamp
+    detail = last_words(failure)
+    if detail is not None and isinstance(failure.message, str):
+        # torch's report shows a dict message's py_callstack, indented, as the
+        # traceback: the rank's last words reach the report torch prints.
+        out.message = {"message": failure.message,
+                       "extraInfo": {"py_callstack": detail, "timestamp": str(failure.timestamp)}}
     return out
 
 

@@ -487,21 +487,25 @@ class ChildFailedError(Exception):
         return fmt, width
 
 
-def _with_last_words(failure: ProcessFailure, message: str) -> str:
-    """The report's traceback field of a failure without an error file: the
-    Python traceback from its stderr tail, else its message followed by the
-    tail's last lines (indented for the report)."""
+def last_words(failure: ProcessFailure) -> str | None:
+    """What a failure without an error file shows as its traceback, from its
+    stderr tail: the Python traceback in it, else its message followed by
+    the tail's last lines; None when there is no tail or an error file won."""
     tail = failure.stderr_tail.rstrip()
     if not tail or failure.error_file_data.get("message") not in (None, "<NONE>"):
-        return message
+        return None
     traceback = python_traceback(tail)
     if traceback is not None:
-        text = traceback if not failure.cause else f"{traceback}\n({failure.cause})"
-    else:
-        lines = tail.split("\n")
-        text = f"{message}\nlast {len(lines)} line{'s' if len(lines) != 1 else ''} of stderr:\n" + \
-            "\n".join(f"  {line}" for line in lines)
-    return text.replace("\n", "\n  ")
+        return traceback if not failure.cause else f"{traceback}\n({failure.cause})"
+    lines = tail.split("\n")
+    return (f"{failure.message}\nlast {len(lines)} line{'s' if len(lines) != 1 else ''} of stderr:\n"
+            + "\n".join(f"  {line}" for line in lines))
+
+
+def _with_last_words(failure: ProcessFailure, message: str) -> str:
+    """The report's traceback field (indented for the report)."""
+    text = last_words(failure)
+    return message if text is None else text.replace("\n", "\n  ")
 
 
 @overload
