@@ -242,3 +242,11 @@ def pipe_write_ends() -> list[str]:
         if target.startswith("pipe:") and flags & os.O_ACCMODE != os.O_RDONLY:
             found.append(target)
     return sorted(found)
+
+
+def echo_env_and_return(name: str) -> str:
+    """Write an env var to fds 1 and 2; return it."""
+    value = os.environ[name]
+    os.write(1, f"stdout {value}\n".encode())
+    os.write(2, f"stderr {value}\n".encode())
+    return value
