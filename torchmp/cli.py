@@ -34,6 +34,15 @@ Log files are laid out as ``torchrun``'s:
 A console that is closed or gone (``| head -1``, a terminal that went away)
 is not an error: it is dropped -- its fd is pointed at ``/dev/null`` -- while
 the log files stay complete and the exit status stays the workers'.
+
+Where is each rank of a job that hangs?  ``kill -USR2 <pid of torchmp run>``
+prints a table (pid, state, CPU time, RSS, seconds since its last output,
+kernel wait channel) per rank without stopping anything, plus each Python
+rank's stack where ``py-spy`` is installed; ``--hang-report-after S`` prints
+it by itself once no rank has written anything for S seconds (see
+:mod:`torchmp._hang`).  Python ranks run with ``PYTHONFAULTHANDLER=1`` (unless
+it is set already, or ``--no-faulthandler``), so a native crash shows the
+Python stack in the rank's stderr.
 """
 
 from __future__ import annotations
@@ -43,18 +52,21 @@ import errno
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import string
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Collection, Sequence
 from types import FrameType
 from typing import Any, NoReturn
 
-from torchmp import _console
-from torchmp.api import SignalException, close_despite_interrupts, resolve_executable, start_processes
+from torchmp import _console, _hang
+from torchmp.api import (SignalException, close_despite_interrupts, handled_signals, resolve_executable,
+                         start_processes, stderr_tail_bound)
 from torchmp.errors import ChildFailedError, ProcessFailure
 from torchmp.logs_specs import DefaultLogsSpecs, LogsDest, Std, to_map
 
@@ -68,6 +80,14 @@ DEFAULT_PREFIX = "[{name}{rank}]:"
 
 #: Signals that make ``torchmp run`` terminate its workers and exit 128 + N.
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+#: The signal that asks ``torchmp run`` for a hang report (unless
+#: TORCHELASTIC_SIGNALS_TO_HANDLE names it: then it stops the job).
+REPORT_SIGNAL = signal.SIGUSR2
+
+#: Set in every rank (unless already set, or --no-faulthandler): CPython then
+#: enables faulthandler at startup, so a fatal signal prints the Python stack.
+FAULTHANDLER_VAR = "PYTHONFAULTHANDLER"
 
 _MIB = 1024 * 1024
 
@@ -113,7 +133,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         epilog=(
             "Exit status: 0 if every rank succeeded; else the root-cause rank's exit "
             "code, or 128+N if it died by signal N (as srun); 128+N if torchmp run "
-            "itself got signal N; 2 for bad usage; 127/126 if COMMAND cannot be found/run."
+            "itself got signal N; 2 for bad usage; 127/126 if COMMAND cannot be found/run.  "
+            f"{REPORT_SIGNAL.name} to torchmp run prints where each rank is (a hang report), "
+            "stopping nothing."
         ),
     )
     p.add_argument("-n", "--nproc", "--nproc-per-node", dest="nproc", type=int, required=True,
@@ -149,6 +171,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                         "of the console -- never out of the log files -- with a marker line "
                         "saying how many (e.g. 16M, 512K, 0; default 4M, or "
                         "$TORCHMP_CONSOLE_BACKLOG)")
+    p.add_argument("--stderr-tail", type=int, default=None, metavar="LINES",
+                   help="how many of a failed rank's last stderr lines its failure report and "
+                        "summary row use when it left no error file (default 20, or "
+                        "$TORCHMP_STDERR_TAIL; 0: none)")
     p.add_argument("--start-method", default="spawn", choices=("spawn", "fork", "forkserver"),
                    help="accepted for torchrun compatibility; it only matters for Python "
                         "function entrypoints, and torchmp run starts binaries (fork+exec)")
@@ -157,6 +183,15 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                         "so it can override the ones torchmp run sets)")
     p.add_argument("--no-summary", dest="summary", action="store_false",
                    help="do not print the end-of-run summary table")
+    p.add_argument("--no-faulthandler", dest="faulthandler", action="store_false",
+                   help=f"do not set {FAULTHANDLER_VAR}=1 in the ranks (by default it is set unless "
+                        "torchmp run's environment or --env sets it, so a Python rank killed by "
+                        "SIGSEGV, SIGABRT, SIGBUS, SIGFPE or SIGILL prints its Python stack to its "
+                        "stderr)")
+    p.add_argument("--hang-report-after", type=float, default=None, metavar="SECONDS",
+                   help="when no rank has written any output for SECONDS, print where each "
+                        f"rank is (the hang report {REPORT_SIGNAL.name} asks for), once per "
+                        "silence: again only after new output and another SECONDS of silence")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="when torchmp run gets a signal, how long the workers get to exit "
                         "after it is passed on to them, before SIGKILL (default: 30; the "
@@ -304,6 +339,8 @@ class _Plan:
             raise _UsageError(f"--master-port must be in 1..65535, got {args.master_port}")
         if not args.shutdown_timeout >= 0:
             raise _UsageError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+        if args.hang_report_after is not None and not 0 < args.hang_report_after < float("inf"):
+            raise _UsageError(f"--hang-report-after must be > 0 seconds, got {args.hang_report_after}")
         self.command = command
         self.nproc: int = args.nproc
         self.name: str = args.name if args.name is not None else default_name(command)
@@ -328,10 +365,16 @@ class _Plan:
         self.summary: bool = args.summary
         self.shutdown_timeout: float = args.shutdown_timeout
         self.timestamps: bool = args.timestamps
+        self.faulthandler: bool = args.faulthandler
+        self.hang_report_after: float | None = args.hang_report_after
         try:
             self.console_backlog: int = _console.backlog_bound(args.console_backlog)
         except (TypeError, ValueError) as e:
             raise _UsageError(f"--console-backlog: {e}" if args.console_backlog is not None else str(e)) from None
+        try:
+            self.stderr_tail: int = stderr_tail_bound(args.stderr_tail)
+        except ValueError as e:
+            raise _UsageError(f"--stderr-tail: {e}" if args.stderr_tail is not None else str(e)) from None
         self.nnodes: int = args.nnodes
         self.node_rank: int = args.node_rank
         self.master_addr: str = args.master_addr or "127.0.0.1"
@@ -368,6 +411,11 @@ class _Plan:
                 "TORCHELASTIC_RESTART_COUNT": "0",
                 "TORCHELASTIC_MAX_RESTARTS": "0",
             }
+            # Set by the user (even empty: off) in torchmp run's environment,
+            # which the ranks inherit, or with --env: theirs.
+            if self.faulthandler and FAULTHANDLER_VAR not in os.environ \
+                    and FAULTHANDLER_VAR not in self.user_env:
+                env[FAULTHANDLER_VAR] = "1"
             env.update(self.user_env)
             envs[local] = env
         return envs
@@ -385,6 +433,9 @@ class _Plan:
 class _AnnouncingLogsSpecs(DefaultLogsSpecs):
     """torchrun's layout; says where the run's files are before any rank starts."""
 
+    #: The run's directory ({log_dir}/{name}_<random>/attempt_0), None for none.
+    run_dir: str | None = None
+
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         try:
             dest = super().reify(envs)
@@ -394,6 +445,7 @@ class _AnnouncingLogsSpecs(DefaultLogsSpecs):
             _say(f"no log files (--log-dir {os.devnull})")
         elif dest.error_files:
             attempt_dir = os.path.dirname(os.path.dirname(dest.error_files[0]))
+            self.run_dir = attempt_dir
             _say(f"log directory: {attempt_dir}")
         return dest
 
@@ -517,6 +569,26 @@ def _say(message: str) -> None:
     _write_console(sys.stderr, f"torchmp: {message}\n")
 
 
+def _show_report(text: str) -> None:
+    """Write a hang report to stderr while the job runs: after the lines the
+    console already has, and never waiting long on a console that does not
+    take it (the report is in its file too)."""
+    stream = sys.stderr
+    if stream is None:
+        return
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        _write_console(stream, text)  # not a file: the object takes it
+        return
+    try:
+        stream.flush()
+    except (OSError, ValueError):
+        pass
+    _console.settle(_console.RESULT_STALL, limit=1.0, fd=fd)
+    _hang.write_without_blocking(fd, text.encode("utf-8", "replace"))
+
+
 def exit_code_for(failure: ProcessFailure) -> int:
     """srun's rule: the exit code, or 128 + N for a death by signal N."""
     if failure.exitcode < 0:
@@ -535,6 +607,25 @@ def _exit_text(code: int) -> str:
         except ValueError:
             return f"signal {-code}"
     return str(code)
+
+
+#: How much of a failure's one-line reason the summary table shows.
+SUMMARY_REASON_WIDTH = 100
+
+
+def _summary_reason(failure: ProcessFailure) -> str:
+    """Why a rank failed, in a few words for its summary row: what the
+    launcher found out (the OOM killer), else the error file's message or
+    the rank's last words; nothing where the exit column says it all."""
+    if failure.cause:
+        return failure.cause.split(" (", 1)[0]
+    recorded = failure.error_file_data.get("message") not in (None, "<NONE>")
+    if not recorded and not failure.stderr_tail.strip():
+        return ""
+    reason = failure.headline
+    if len(reason) > SUMMARY_REASON_WIDTH:
+        reason = reason[:SUMMARY_REASON_WIDTH - 3] + "..."
+    return reason
 
 
 def format_summary(
@@ -623,6 +714,40 @@ def _configure_logging() -> None:
     log.propagate = False
 
 
+#: How soon a report signal that landed outside the context's wait is sent
+#: again (doubling, up to 1 s, while it keeps landing there).
+_REDELIVERY_FIRST = 0.05
+
+
+class _ReportRequested(Exception):
+    """Raised by the report signal's handler, and only where the run loop
+    sleeps in the context's ``wait``: it unwinds that wait and nothing else."""
+
+
+def _wait_codes(ctx: Any) -> frozenset[Any]:
+    """The code objects of ``wait`` along the context's class hierarchy."""
+    codes = set()
+    for cls in type(ctx).__mro__:
+        code = getattr(cls.__dict__.get("wait"), "__code__", None)
+        if code is not None:
+            codes.add(code)
+    return frozenset(codes)
+
+
+def _in_wait(frame: FrameType | None, codes: frozenset[Any]) -> bool:
+    """Whether a signal handler interrupted the context's ``wait`` itself
+    (asleep in the native wait, or between its own statements, which only
+    read), not something it called (fail-fast, building the result), where
+    an exception would cut work short.  A build with Cython profiling shows
+    the native ``Group.wait`` as a frame of its own, called from that wait."""
+    if frame is None:
+        return False
+    if frame.f_code in codes:
+        return True
+    back = frame.f_back
+    return frame.f_code.co_name == "wait" and back is not None and back.f_code in codes
+
+
 class _Run:
     def __init__(self, plan: _Plan) -> None:
         self.plan = plan
@@ -630,6 +755,13 @@ class _Run:
         self.result: Any = None
         self.signal: signal.Signals | None = None
         self.started = time.monotonic()
+        self.specs: _AnnouncingLogsSpecs | None = None
+        self.hang = _hang.HangWatch(plan.hang_report_after, self.started)
+        self._sleeping = False      # in the run loop's ctx.wait
+        self._wait_code_set: frozenset[Any] = frozenset()
+        self._redelivery_pending = False
+        self._redelivery_delay = _REDELIVERY_FIRST
+        self._py_spy_hint = True
 
     def launch(self) -> None:
         plan = self.plan
@@ -639,15 +771,16 @@ class _Run:
         try:
             if log_dir is None:
                 log_dir = tempfile.mkdtemp(prefix="torchmp_")
-            specs = _AnnouncingLogsSpecs(log_dir=log_dir, redirects=plan.redirects,
-                                         tee=plan.tee, local_ranks_filter=plan.ranks_filter)
+            specs = self.specs = _AnnouncingLogsSpecs(
+                log_dir=log_dir, redirects=plan.redirects, tee=plan.tee,
+                local_ranks_filter=plan.ranks_filter)
         except OSError as e:  # it makes --log-dir and its parents
             raise _SetupError(
                 _describe_mkdir_error(e, log_dir or tempfile.gettempdir())) from e
-        extra: dict[str, Any] = {"console_backlog": plan.console_backlog}
+        extra: dict[str, Any] = {"console_backlog": plan.console_backlog, "stderr_tail": plan.stderr_tail}
         if plan.timestamps:
             extra["log_line_timestamps"] = True
-        self.started = time.monotonic()
+        self.started = self.hang.started = time.monotonic()
         # A signal raised inside start_processes would reach the handlers
         # before self.ctx is set: start_processes would then tear the workers
         # down with its own 30 s grace, not --shutdown-timeout.  Held until
@@ -668,8 +801,124 @@ class _Run:
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED_SIGNALS)
 
+    # -- hang reports -------------------------------------------------------
+    def install_report_handler(self) -> None:
+        """SIGUSR2 asks for a hang report -- unless TORCHELASTIC_SIGNALS_TO_HANDLE
+        names it: start_processes then makes it stop the job, as asked."""
+        if REPORT_SIGNAL not in handled_signals():
+            signal.signal(REPORT_SIGNAL, self._on_report_signal)
+
+    def _on_report_signal(self, signum: int, frame: FrameType | None) -> None:
+        # Runs on the main thread.  The report is made by the run loop, not
+        # here: a flag, and a wake-up for the loop if it is asleep.
+        self.hang.requested = True
+        if not self._sleeping:
+            return  # the loop looks at the flag before it waits again
+        if _in_wait(frame, self._wait_code_set):
+            raise _ReportRequested()
+        # Inside what the wait called (an exit being handled: not to be cut
+        # short).  The wait may go back to sleep: ask it again in a moment.
+        self._redeliver()
+
+    def _redeliver(self) -> None:
+        """Send the report signal to the main thread again in a moment: one
+        at a time, less often the longer the wait stays busy (a fail-fast
+        shutdown can take its whole grace period)."""
+        if self._redelivery_pending:
+            return
+        self._redelivery_pending = True
+        delay = self._redelivery_delay
+        self._redelivery_delay = min(2 * delay, 1.0)
+        main = threading.main_thread().ident
+
+        def again() -> None:
+            self._redelivery_pending = False
+            if self.hang.requested and self._sleeping and main is not None:
+                signal.pthread_kill(main, REPORT_SIGNAL)
+
+        timer = threading.Timer(delay, again)
+        timer.daemon = True
+        timer.start()
+
+    def _reports_due(self) -> float:
+        """Make the reports that are due; the timeout for the next wait
+        (-1: none, the wait is woken by the exits and the signal alone)."""
+        if self.hang.requested:
+            self.hang.requested = False
+            self._redelivery_delay = _REDELIVERY_FIRST
+            self._try_report(f"asked by {REPORT_SIGNAL.name}")
+        if self.hang.after is None:
+            return -1.0
+        due, next_check = self.hang.check(_hang.output_ages(self.ctx), time.monotonic())
+        if due:
+            self._try_report(f"no output for {self.hang.after:g}s")
+        return max(0.01, next_check)
+
+    def _try_report(self, reason: str) -> None:
+        # A report is a diagnosis: whatever goes wrong in it, the job goes on.
+        try:
+            self.hang_report(reason)
+        except SignalException:
+            raise
+        except Exception as e:
+            _say(f"hang report failed: {type(e).__name__}: {e}")
+
+    def hang_report(self, reason: str) -> None:
+        """Print where each rank is (and, with py-spy, its Python stack) to
+        stderr and save it in the run's directory; nothing is stopped."""
+        plan, ctx = self.plan, self.ctx
+        try:
+            pids = dict(ctx.pids())
+        except (ValueError, RuntimeError):
+            pids = {}
+        text = self.hang.report(plan.name, reason, pids, range(plan.nproc), plan.global_rank,
+                                _hang.output_ages(ctx), time.monotonic())
+        text += self._stacks(pids)
+        run_dir = self.specs.run_dir if self.specs is not None else None
+        if run_dir is not None:
+            path = os.path.join(run_dir, f"hang-report-{self.hang.count}.txt")
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+                             | getattr(os, "O_NOFOLLOW", 0), 0o644)
+                with open(fd, "w", encoding="utf-8", errors="replace") as f:
+                    f.write(text)
+                text += f"torchmp: hang report {self.hang.count} saved in {path}\n"
+            except OSError as e:
+                text += f"torchmp: hang report {self.hang.count} not saved: {path}: {e.strerror}\n"
+        _show_report(text)
+
+    def _stacks(self, pids: dict[int, int]) -> str:
+        """``py-spy dump`` of every Python process of every running rank."""
+        py_spy = shutil.which("py-spy")
+        if py_spy is None:
+            hint, self._py_spy_hint = self._py_spy_hint, False
+            return ("torchmp: with py-spy installed, hang reports show each Python rank's stack\n"
+                    if hint else "")
+        groups = _hang.python_pids_by_group(pids.values())
+        targets = [(local, pid) for local in sorted(pids) for pid in groups.get(pids[local], [])]
+        dumps = _hang.py_spy_dumps([pid for _, pid in targets], py_spy=py_spy)
+        parts = []
+        for local, pid in targets:
+            dump = dumps.get(pid, "").rstrip("\n")
+            parts.append(f"torchmp: py-spy dump of rank {self.plan.global_rank(local)} "
+                         f"(pid {pid}):\n{dump}\n")
+        return "".join(parts)
+
     def wait(self) -> None:
-        self.result = self.ctx.wait()
+        """The context's wait, woken also for the hang reports that are due."""
+        self._wait_code_set = _wait_codes(self.ctx)
+        while True:
+            timeout = self._reports_due()
+            self._sleeping = True
+            try:
+                result = self.ctx.wait(timeout)
+            except _ReportRequested:
+                continue
+            finally:
+                self._sleeping = False
+            if result is not None:
+                self.result = result
+                return
 
     def shut_down(self, sig: signal.Signals) -> None:
         """Terminate the workers with ``sig``; a second signal means SIGKILL now."""
@@ -717,6 +966,11 @@ class _Run:
                 notes[local] = "root cause"
             elif local in terminated:
                 notes[local] = "terminated by torchmp"
+            failure = self.result.failures.get(local)
+            if failure is not None and local not in terminated:
+                why = _summary_reason(failure)
+                if why:
+                    notes[local] = f"{notes[local]}: {why}" if local in notes else why
         return notes
 
     def report(self) -> None:
@@ -774,6 +1028,7 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
     _configure_logging()
     run = _Run(plan)
     _install_handlers()  # before the first worker exists
+    run.install_report_handler()
     try:
         try:
             run.launch()

@@ -1,0 +1,169 @@
+"""A Python rank that crashes in native code shows its Python stack.
+
+``torchmp run`` sets ``PYTHONFAULTHANDLER=1`` in its ranks unless the user
+set it (in the launcher's environment, which the ranks inherit, or with
+``--env``; an empty value means off, as CPython reads it) or passed
+``--no-faulthandler``.  The library (``start_processes``) passes the
+environment as given.
+
+The crashes are real: ``ctypes.string_at(0)`` reads address 0 (SIGSEGV).
+Every launch carries a unique ``TORCHMP_TEST_TAG`` its workers inherit;
+cleanup kills leftovers by that tag and by the launcher's process group.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+
+import torchmp
+from torchmp import Std
+
+from helpers import TAG_VAR, launch, python_worker, stop_launcher, wait_no_tagged
+
+TORCHMP_PATH = str(Path(torchmp.__file__).resolve().parent.parent)
+
+CRASH = textwrap.dedent("""\
+    import ctypes
+
+
+    def crash():
+        ctypes.string_at(0)
+
+
+    print("about to crash", flush=True)
+    crash()
+""")
+
+
+def run_cli(args: list[str], cwd: Path, env: dict[str, str] | None = None,
+            drop: tuple[str, ...] = ("PYTHONFAULTHANDLER",), timeout: float = 30) -> tuple[int, str, str]:
+    """``python -m torchmp run ...`` to completion, from ``cwd`` (outside the
+    source tree); ``drop``: variables removed from its environment."""
+    tag = uuid.uuid4().hex
+    full_env = {k: v for k, v in os.environ.items() if k not in drop}
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (TORCHMP_PATH, os.environ.get("PYTHONPATH")) if p)
+    full_env[TAG_VAR] = tag
+    full_env.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
+    if env:
+        full_env.update(env)
+    proc = subprocess.Popen([sys.executable, "-m", "torchmp", "run", *args],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=full_env, cwd=cwd, start_new_session=True, text=True, errors="replace")
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        assert wait_no_tagged(tag) == []
+        return proc.returncode, out, err
+    finally:
+        stop_launcher(proc, tag)
+        for stream in (proc.stdout, proc.stderr):
+            if stream:
+                stream.close()
+
+
+def attempt_dir(stderr: str) -> Path:
+    m = re.search(r"^torchmp: log directory: (.+)$", stderr, re.M)
+    assert m, stderr
+    return Path(m.group(1))
+
+
+@pytest.fixture
+def crash_script(tmp_path: Path) -> Path:
+    path = tmp_path / "crash.py"
+    path.write_text(CRASH)
+    return path
+
+
+def assert_python_stack(text: str, script: Path) -> None:
+    assert "Fatal Python error: Segmentation fault" in text, text
+    # The frames, innermost first: crash() at line 5, called from line 9.
+    assert re.search(rf'File "{re.escape(str(script))}", line 5 in crash', text), text
+    assert re.search(rf'File "{re.escape(str(script))}", line 9 in <module>', text), text
+
+
+def test_segfault_shows_python_stack_in_redirected_log(tmp_path, crash_script):
+    code, out, err = run_cli(["-n", "1", "--redirects", "2", "--log-dir", str(tmp_path / "logs"),
+                              "--", sys.executable, str(crash_script)], cwd=tmp_path)
+    assert code == 128 + signal.SIGSEGV, err
+    log = (attempt_dir(err) / "0" / "stderr.log").read_text()
+    assert_python_stack(log, crash_script)
+    assert "[crash0]:about to crash" in out
+    assert "SIGSEGV" in err  # the summary names the signal
+
+
+def test_segfault_shows_python_stack_teed(tmp_path, crash_script):
+    code, out, err = run_cli(["-n", "2", "--log-dir", str(tmp_path / "logs"),
+                              "--", sys.executable, str(crash_script)], cwd=tmp_path)
+    assert code == 128 + signal.SIGSEGV, err
+    attempt = attempt_dir(err)
+    # Both ranks crash; the fail-fast may stop one before its own crash.
+    crashed = [r for r in range(2) if "Fatal Python error" in (attempt / str(r) / "stderr.log").read_text()]
+    assert crashed, err
+    for rank in crashed:
+        assert_python_stack((attempt / str(rank) / "stderr.log").read_text(), crash_script)
+        assert f"[crash{rank}]:Fatal Python error: Segmentation fault" in err
+
+
+def test_no_faulthandler_option(tmp_path, crash_script):
+    code, _, err = run_cli(["-n", "1", "--redirects", "2", "--no-faulthandler",
+                            "--log-dir", str(tmp_path / "logs"), "--", sys.executable, str(crash_script)],
+                           cwd=tmp_path)
+    assert code == 128 + signal.SIGSEGV, err
+    log = (attempt_dir(err) / "0" / "stderr.log").read_text()
+    assert "Fatal Python error" not in log and "File " not in log, log
+
+
+@pytest.mark.parametrize("how", ["launcher-env", "env-option"])
+def test_users_empty_setting_is_respected(tmp_path, crash_script, how):
+    # CPython enables faulthandler for any non-empty value ("0" included):
+    # empty is how a user turns it off, and torchmp must not override it.
+    args = ["-n", "1", "--redirects", "2", "--log-dir", str(tmp_path / "logs")]
+    env = None
+    if how == "launcher-env":
+        env = {"PYTHONFAULTHANDLER": ""}
+    else:
+        args += ["--env", "PYTHONFAULTHANDLER="]
+    code, _, err = run_cli([*args, "--", sys.executable, str(crash_script)], cwd=tmp_path, env=env)
+    assert code == 128 + signal.SIGSEGV, err
+    log = (attempt_dir(err) / "0" / "stderr.log").read_text()
+    assert "Fatal Python error" not in log, log
+
+
+SHOW = "import os, faulthandler; print(repr(os.environ.get('PYTHONFAULTHANDLER')), faulthandler.is_enabled())"
+
+
+@pytest.mark.parametrize("args, env, expected", [
+    ([], None, "'1' True"),
+    (["--no-faulthandler"], None, "None False"),
+    ([], {"PYTHONFAULTHANDLER": ""}, "'' False"),
+    ([], {"PYTHONFAULTHANDLER": "yes"}, "'yes' True"),
+    (["--env", "PYTHONFAULTHANDLER="], None, "'' False"),
+    (["--env", "PYTHONFAULTHANDLER="], {"PYTHONFAULTHANDLER": "1"}, "'' False"),
+    # --no-faulthandler: torchmp sets nothing; the user's own setting stays.
+    (["--no-faulthandler"], {"PYTHONFAULTHANDLER": "1"}, "'1' True"),
+])
+def test_what_the_rank_sees(tmp_path, args, env, expected):
+    code, out, err = run_cli(["-n", "2", "--no-summary", "--log-dir", str(tmp_path / "logs"), *args,
+                              "--", sys.executable, "-c", SHOW], cwd=tmp_path, env=env)
+    assert code == 0, err
+    assert sorted(out.splitlines()) == [f"[python0]:{expected}", f"[python1]:{expected}"]
+
+
+def test_library_keeps_the_environment_as_given(tmp_path, monkeypatch):
+    monkeypatch.delenv("PYTHONFAULTHANDLER", raising=False)
+    entry, args = python_worker(SHOW)
+    ctx = launch(entry, {0: args, 1: args}, {0: {}, 1: {"X": "1"}}, log_dir=tmp_path, redirects=Std.OUT)
+    try:
+        result = ctx.wait(30)
+        assert result is not None and not result.is_failed()
+        for rank in range(2):
+            assert Path(result.stdouts[rank]).read_text() == "None False\n"
+    finally:
+        ctx.close()

@@ -1,0 +1,689 @@
+"""Asking a hung job where each rank is: ``torchmp run``'s hang report.
+
+* The /proc readers and the table, on fixture files (a command name with
+  spaces and parentheses), and the once-per-silence policy with a fake clock.
+* How the SIGUSR2 handler wakes the run loop: only inside the context's own
+  wait, re-delivered when it lands elsewhere (an in-process stub context).
+* The real thing: ``torchmp run -n 3`` with a rank blocked in a pipe read, a
+  busy one and a sleeping one; SIGUSR2 prints the table, stops nothing; and
+  ``--hang-report-after`` prints it by itself once per silence.
+
+Launchers run from a temporary directory (not the source tree), each with a
+unique ``TORCHMP_TEST_TAG`` its workers inherit; cleanup kills leftovers by
+that tag and by the launcher's process group, never by name.
+"""
+from __future__ import annotations
+
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+import torchmp
+from torchmp import _hang, cli
+
+from helpers import TAG_VAR, pid_alive, stop_launcher, wait_no_tagged
+
+TORCHMP_PATH = str(Path(torchmp.__file__).resolve().parent.parent)
+TICK = os.sysconf("SC_CLK_TCK")
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+# ---------------------------------------------------------------------------
+# /proc parsing, on fixtures
+
+
+def stat_line(pid: int, comm: str, state: str = "S", pgrp: int = 0, utime: int = 7, stime: int = 3,
+              rss: int = 100) -> str:
+    # Fields 3.. of proc(5): state ppid pgrp session tty_nr tpgid flags minflt
+    # cminflt majflt cmajflt utime stime cutime cstime priority nice
+    # num_threads itrealvalue starttime vsize rss ...
+    rest = [state, "1", str(pgrp or pid), str(pid), "0", "-1", "4194304", "10", "0", "0", "0",
+            str(utime), str(stime), "0", "0", "20", "0", "1", "0", "555", "16957440", str(rss),
+            "18446744073709551615", "1", "1", "0", "0", "0", "0", "0", "16781318", "0", "1", "0", "0",
+            "17", "0", "0", "0", "0", "0"]
+    return f"{pid} ({comm}) {' '.join(rest)}\n"
+
+
+@pytest.mark.parametrize("comm", ["python3", "a b", "x) S 1 2 3 (", "((", ")", "", "tr (ainer) R"])
+def test_parse_stat_splits_at_the_last_paren(comm):
+    st = _hang.parse_stat(stat_line(4242, comm, state="D", pgrp=4240, utime=11, stime=5, rss=321))
+    assert st.pid == 4242 and st.comm == comm and st.state == "D"
+    assert st.ppid == 1 and st.pgrp == 4240 and st.utime == 11 and st.stime == 5
+    assert st.starttime == 555 and st.rss_pages == 321
+
+
+def test_parse_stat_of_a_real_process():
+    st = _hang.parse_stat(Path(f"/proc/{os.getpid()}/stat").read_text())
+    assert st.pid == os.getpid() and st.pgrp == os.getpgrp() and st.state == "R"
+
+
+@pytest.mark.parametrize("text", ["", "garbage", "12 (x) S 1 2", "x (y) S" + " 0" * 30])
+def test_parse_stat_rejects_what_is_not_a_stat_line(text):
+    with pytest.raises(ValueError):
+        _hang.parse_stat(text)
+
+
+def test_parse_statm():
+    assert _hang.parse_statm("4139 3357 1736 1 0 420 0\n") == 3357
+    with pytest.raises(ValueError):
+        _hang.parse_statm("4139")
+
+
+def fake_proc(root: Path, pid: int, comm: str = "python3", state: str = "S", utime: int = 7,
+              stime: int = 3, resident: int | None = 256, wchan: str | None = "do_nanosleep") -> None:
+    d = root / str(pid)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "stat").write_text(stat_line(pid, comm, state, utime=utime, stime=stime, rss=100))
+    if resident is not None:
+        (d / "statm").write_text(f"9000 {resident} 100 1 0 300 0\n")
+    if wchan is not None:
+        (d / "wchan").write_text(wchan)
+
+
+def test_read_wchan(tmp_path):
+    fake_proc(tmp_path, 10, wchan="anon_pipe_read")
+    fake_proc(tmp_path, 11, wchan="0")      # running (or hidden)
+    fake_proc(tmp_path, 12, wchan="")
+    fake_proc(tmp_path, 13, wchan=None)     # unreadable
+    assert _hang.read_wchan(10, str(tmp_path)) == "anon_pipe_read"
+    assert [_hang.read_wchan(p, str(tmp_path)) for p in (11, 12, 13, 14)] == ["-"] * 4
+
+
+def test_sample(tmp_path):
+    fake_proc(tmp_path, 20, comm="a) b", state="S", utime=30, stime=12, resident=512)
+    fake_proc(tmp_path, 21, resident=None)  # statm missing: stat's rss field
+    s = _hang.sample(20, str(tmp_path))
+    assert s == _hang.RankSample(20, "S", 42, 512 * PAGE, "do_nanosleep")
+    assert _hang.sample(21, str(tmp_path)).rss == 100 * PAGE
+    assert _hang.sample(22, str(tmp_path)) == _hang.RankSample(22, "", 0, 0, "-")  # gone
+
+
+def test_state_names():
+    assert [_hang.state_name(c) for c in "RSDZTt"] == [
+        "running", "sleeping", "uninterruptible (D)", "zombie", "stopped", "traced"]
+    assert _hang.state_name("?") == "?" and _hang.state_name("") == "?"
+
+
+def column_starts(line: str) -> list[int]:
+    return [m.start() for m in re.finditer(r"(?<!\S)\S", line)]
+
+
+def test_format_table_aligns_columns():
+    rows = [
+        (0, _hang.RankSample(123, "S", 0, 10 * 1024 * 1024, "anon_pipe_read"), 0.0, 12.34),
+        (1, _hang.RankSample(4567890, "R", 0, 1536 * 1024 * 1024, "-"), 123.456, None),
+        (2, _hang.RankSample(77, "D", 0, 0, "folio_wait_bit_common"), 0.5, 0.04),
+        (3, _hang.RankSample(78, "", 0, 0, "-"), None, 3.0),
+        (10, None, None, None),
+    ]
+    lines = _hang.format_table(rows).splitlines()
+    assert re.split(r"\s{2,}", lines[0]) == ["rank", "pid", "state", "cpu", "rss", "last output", "wchan"]
+    assert re.split(r"\s{2,}", lines[1].strip()) == [
+        "0", "123", "sleeping", "0.00s", "10.0 MiB", "12.3s ago", "anon_pipe_read"]
+    assert re.split(r"\s{2,}", lines[2].strip()) == [
+        "1", "4567890", "running", "123.46s", "1536.0 MiB", "-", "-"]
+    assert re.split(r"\s{2,}", lines[3].strip())[2] == "uninterruptible (D)"
+    assert re.split(r"\s{2,}", lines[4].strip()) == ["3", "78", "gone", "-", "-", "3.0s ago", "-"]
+    assert re.split(r"\s{2,}", lines[5].strip()) == ["10", "-", "not started", "-", "-", "-", "-"]
+    # Numbers are right-aligned (they end together), words left-aligned
+    # (they start together), as in the summary table.
+    pid_ends = {line.index(line.split()[1]) + len(line.split()[1]) for line in lines}
+    state_starts = {line.index(line.split()[2]) for line in lines}
+    assert len(pid_ends) == 1 and state_starts == {lines[0].index("state")}
+
+
+# ---------------------------------------------------------------------------
+# The silence policy and the report's bookkeeping
+
+
+def test_silence_policy_once_per_silence():
+    w = _hang.HangWatch(after=1.0, started=100.0)
+    assert w.check({0: None, 1: None}, 100.4) == (False, pytest.approx(0.6))
+    assert w.check({}, 101.0) == (True, 1.0)                  # silent for 1 s since the start
+    assert w.check({}, 102.5) == (False, 1.0)                 # still silent: not again
+    assert w.check({0: None}, 110.0) == (False, 1.0)
+    assert w.check({0: 0.25, 1: None}, 110.5) == (False, pytest.approx(0.75))  # new output re-arms
+    assert w.check({0: 1.0, 1: None}, 111.25) == (True, 1.0)
+    assert w.check({0: 2.0, 1: 5.0}, 112.25) == (False, 1.0)
+    # Output that keeps coming never makes a report.
+    for t in range(120, 130):
+        due, wake = w.check({0: 0.1}, float(t))
+        assert not due and 0 < wake <= 1.0
+    assert _hang.HangWatch(after=None, started=0.0).check({}, 1e9) == (False, -1.0)
+
+
+def test_report_cpu_since_the_last_report(tmp_path):
+    fake_proc(tmp_path, 30, state="R", utime=3 * TICK, stime=TICK, wchan="0")
+    fake_proc(tmp_path, 31, state="S", utime=0, stime=0, wchan="anon_pipe_read")
+    w = _hang.HangWatch(after=None, started=50.0)
+    text = w.report("job", "asked by SIGUSR2", {0: 30, 1: 31}, range(3), lambda r: r + 10,
+                    {0: 2.0, 1: None, 2: None}, 60.0, proc=str(tmp_path))
+    lines = text.splitlines()
+    assert lines[0] == ("torchmp: hang report 1 of job (asked by SIGUSR2), 10.0s after start, "
+                        "last output 2.0s ago; cpu: since the start")
+    rows = {int(line.split()[0]): line.split() for line in lines[2:]}
+    assert rows[10][1:4] == ["30", "running", "4.00s"] and rows[10][-1] == "-"
+    assert rows[11][1:4] == ["31", "sleeping", "0.00s"] and rows[11][-1] == "anon_pipe_read"
+    assert rows[12][1:3] == ["-", "not"]  # rank 2 has no process
+    fake_proc(tmp_path, 30, state="R", utime=5 * TICK, stime=TICK, wchan="0")
+    text = w.report("job", "no output for 5s", {0: 30, 1: 31}, range(2), lambda r: r,
+                    {}, 65.5, proc=str(tmp_path))
+    assert text.splitlines()[0] == ("torchmp: hang report 2 of job (no output for 5s), 15.5s after "
+                                    "start, no output seen; cpu: since report 1, 5.5s ago")
+    assert text.splitlines()[2].split()[3] == "2.00s"
+
+
+class FilesCtx:
+    def __init__(self, stdouts, stderrs, ages=None):
+        self.stdouts, self.stderrs = stdouts, stderrs
+        if ages is not None:
+            self.output_ages = lambda: dict(ages)
+
+
+def test_output_ages_from_the_context_and_the_log_files(tmp_path):
+    now = time.time()
+    old, new, empty = tmp_path / "old.log", tmp_path / "new.log", tmp_path / "empty.log"
+    old.write_text("x\n")
+    new.write_text("y\n")
+    empty.write_text("")
+    os.utime(old, (now - 30, now - 30))
+    os.utime(new, (now - 2, now - 2))
+    os.utime(empty, (now, now))
+    stdouts = {0: str(old), 1: "", 2: str(empty), 3: os.devnull}
+    stderrs = {0: str(new), 1: "", 2: "", 3: ""}
+    # No output_ages() (an older context): the files alone; an empty file or
+    # /dev/null tells nothing.
+    ages = _hang.output_ages(FilesCtx(stdouts, stderrs), now)
+    assert ages[0] == pytest.approx(2, abs=0.01) and ages[1] is None and ages[2] is None and ages[3] is None
+    # With output_ages(): the newer of the two.
+    ages = _hang.output_ages(FilesCtx(stdouts, stderrs, {0: 5.0, 1: 0.5, 2: None, 3: None}), now)
+    assert ages[0] == pytest.approx(2, abs=0.01) and ages[1] == 0.5 and ages[2] is None
+
+
+def test_python_pids_by_group_finds_this_interpreter():
+    found = _hang.python_pids_by_group([os.getpgrp(), 999999999])
+    assert found[999999999] == []
+    if re.fullmatch(r"python[0-9.]*[dmu]*", os.path.basename(os.readlink("/proc/self/exe"))):
+        assert os.getpid() in found[os.getpgrp()]
+
+
+def fake_py_spy(directory: Path, body: str) -> str:
+    path = directory / "py-spy"
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_py_spy_dumps_in_parallel_with_a_time_limit(tmp_path):
+    exe = fake_py_spy(tmp_path, 'if [ "$3" = 2 ]; then exec sleep 30; fi\necho "stack of $3 ($1 $2)"\n')
+    started = time.monotonic()
+    out = _hang.py_spy_dumps([1, 2, 3], timeout=0.5, py_spy=exe)
+    assert time.monotonic() - started < 3
+    assert out[1] == "stack of 1 (dump --pid)\n" and out[3] == "stack of 3 (dump --pid)\n"
+    assert out[2] == "(py-spy gave no answer within 0.5s)\n"
+    failing = fake_py_spy(tmp_path, 'echo "Permission denied" >&2; exit 1\n')
+    assert _hang.py_spy_dumps([7], py_spy=failing)[7] == "Permission denied\n(py-spy exited with 1)\n"
+    assert _hang.py_spy_dumps([7], py_spy=str(tmp_path / "missing"))[7].startswith("py-spy could not be started")
+
+
+def test_py_spy_is_optional(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert _hang.py_spy_dumps([os.getpid()]) == {}
+
+
+def test_write_without_blocking_gives_up_on_a_full_pipe():
+    r, w = os.pipe()
+    try:
+        os.set_blocking(w, False)
+        try:
+            while True:
+                os.write(w, b"x" * 65536)
+        except BlockingIOError:
+            pass
+        os.set_blocking(w, True)
+        started = time.monotonic()
+        assert _hang.write_without_blocking(w, b"report\n" * 10, budget=0.2) is False
+        assert time.monotonic() - started < 2
+        assert os.get_blocking(w)  # the launcher's own fd keeps its flags
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_write_without_blocking_whole_lines_and_a_closed_reader(tmp_path):
+    text = b"".join(b"line %05d %s\n" % (i, b"y" * 100) for i in range(2000))  # > one pipe
+    r, w = os.pipe()
+    got = []
+    reader = threading.Thread(target=lambda: got.append(b"".join(iter(lambda: os.read(r, 65536), b""))))
+    reader.start()
+    try:
+        assert _hang.write_without_blocking(w, text, budget=5) is True
+    finally:
+        os.close(w)
+        reader.join()
+        os.close(r)
+    assert got == [text]
+    assert all(len(p) <= select.PIPE_BUF and p.endswith(b"\n") for p in _hang._pieces(text, select.PIPE_BUF))
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        assert _hang.write_without_blocking(w, b"x\n") is False  # EPIPE: no error
+    finally:
+        os.close(w)
+    f = tmp_path / "console"
+    with open(f, "wb") as out:
+        assert _hang.write_without_blocking(out.fileno(), text) is True
+    assert f.read_bytes() == text
+
+
+# ---------------------------------------------------------------------------
+# Waking the run loop (in process, with a stub context)
+
+
+def make_run(*options: str) -> cli._Run:
+    args = cli.build_parser().parse_args([*options, "-n", "1", "true"])
+    return cli._Run(cli._Plan(args, args.command))
+
+
+class StubCtx:
+    """A context whose first wait is asleep (in its own frame) for 10 s."""
+
+    stdouts: dict[int, str] = {}
+    stderrs: dict[int, str] = {}
+
+    def __init__(self, before_sleep=None) -> None:
+        self.calls = 0
+        self.before_sleep = before_sleep
+
+    def pids(self):
+        return {}
+
+    def wait(self, timeout: float = -1, period: float = 1):
+        self.calls += 1
+        if self.calls > 1:
+            return "result"
+        if self.before_sleep is not None:
+            self.before_sleep()
+        time.sleep(10)
+        return "too late"
+
+
+@pytest.fixture
+def report_handler(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_SIGNALS_TO_HANDLE", raising=False)
+    saved = signal.getsignal(signal.SIGUSR2)
+    yield
+    signal.signal(signal.SIGUSR2, saved)
+
+
+def run_stub(run: cli._Run, ctx: StubCtx) -> tuple[list[str], float]:
+    reports: list[str] = []
+    run.hang_report = reports.append  # type: ignore[method-assign]
+    run.ctx = ctx
+    run.install_report_handler()
+    started = time.monotonic()
+    run.wait()
+    return reports, time.monotonic() - started
+
+
+def test_signal_wakes_the_wait_at_once(report_handler):
+    main = threading.main_thread().ident
+    timer = threading.Timer(0.1, signal.pthread_kill, (main, signal.SIGUSR2))
+    timer.start()
+    run = make_run()
+    ctx = StubCtx()
+    reports, took = run_stub(run, ctx)
+    timer.join()
+    assert reports == ["asked by SIGUSR2"] and run.result == "result" and ctx.calls == 2
+    assert took < 2
+
+
+def test_signal_outside_the_wait_frame_is_delivered_again(report_handler):
+    # The signal lands in something the wait calls (as during the fail-fast):
+    # no exception there; it is re-delivered once the wait is asleep.
+    landed = []
+
+    def elsewhere():
+        signal.raise_signal(signal.SIGUSR2)
+        landed.append(True)  # not cut short
+
+    run = make_run()
+    reports, took = run_stub(run, StubCtx(before_sleep=elsewhere))
+    assert landed == [True]
+    assert reports == ["asked by SIGUSR2"] and run.result == "result" and took < 2
+
+
+def test_redelivery_backs_off_while_the_wait_stays_busy(report_handler):
+    # As during a fail-fast shutdown: the wait is busy in its callees for a
+    # while, and every re-delivered signal lands there too.
+    def busy_elsewhere():
+        signal.raise_signal(signal.SIGUSR2)
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            pass
+
+    run = make_run()
+    redeliveries = []
+    original = run._redeliver
+
+    def counting() -> None:
+        redeliveries.append(time.monotonic())
+        original()
+
+    run._redeliver = counting  # type: ignore[method-assign]
+    reports, took = run_stub(run, StubCtx(before_sleep=busy_elsewhere))
+    assert reports == ["asked by SIGUSR2"] and run.result == "result"
+    assert took < 3
+    # 0.05 s, then doubling: a handful in one second, not one per 50 ms.
+    assert 1 <= len(redeliveries) <= 7, redeliveries
+
+
+def test_signal_before_the_wait_is_answered_first(report_handler):
+    run = make_run()
+    run.install_report_handler()
+    signal.raise_signal(signal.SIGUSR2)  # during the launch, say
+    ctx = StubCtx()
+    ctx.calls = 1  # the wait returns at once
+    reports, _ = run_stub(run, ctx)
+    assert reports == ["asked by SIGUSR2"] and run.result == "result"
+
+
+def test_torchelastic_signals_to_handle_naming_sigusr2_wins(report_handler, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGUSR2")
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    make_run().install_report_handler()
+    assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN  # left to start_processes
+
+
+def test_usage_errors():
+    for bad in ("0", "-1", "nan", "inf"):
+        args = cli.build_parser().parse_args(["--hang-report-after", bad, "-n", "1", "true"])
+        with pytest.raises(cli._UsageError, match="--hang-report-after must be > 0"):
+            cli._Plan(args, args.command)
+
+
+# ---------------------------------------------------------------------------
+# The real thing
+
+
+WORKER = textwrap.dedent("""\
+    import os, sys, time
+    rank = int(os.environ["LOCAL_RANK"])
+    print("ready", flush=True)
+    if rank == 0:
+        r, w = os.pipe()
+        os.read(r, 1)                  # blocked in a pipe read
+    elif rank == 1:
+        while True:                    # busy
+            pass
+    else:
+        time.sleep(600)
+""")
+
+
+class Launcher:
+    """``python -m torchmp run ...`` whose stdout and stderr are read line by
+    line as they come."""
+
+    def __init__(self, args: list[str], cwd: Path, env: dict[str, str] | None = None) -> None:
+        self.tag = uuid.uuid4().hex
+        full_env = dict(os.environ)
+        full_env["PYTHONPATH"] = os.pathsep.join(p for p in (TORCHMP_PATH, os.environ.get("PYTHONPATH")) if p)
+        full_env[TAG_VAR] = self.tag
+        full_env.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
+        if env:
+            full_env.update(env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "torchmp", "run", *args], stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full_env, cwd=cwd,
+            start_new_session=True, text=True, errors="replace")
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._cond = threading.Condition()
+        self._readers = [threading.Thread(target=self._read, args=(s, lines), daemon=True)
+                         for s, lines in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        for t in self._readers:
+            t.start()
+
+    def _read(self, stream, lines: list[str]) -> None:
+        for line in stream:
+            with self._cond:
+                lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    def wait_for(self, predicate, timeout: float, what: str) -> None:
+        with self._cond:
+            if not self._cond.wait_for(predicate, timeout):
+                raise AssertionError(f"timed out waiting for {what}:\n" + "\n".join(self.out + self.err))
+
+    def finish(self, timeout: float = 30) -> int:
+        code = self.proc.wait(timeout)
+        for t in self._readers:
+            t.join(5)
+        return code
+
+    def cleanup(self) -> None:
+        stop_launcher(self.proc, self.tag)
+        for t in self._readers:
+            t.join(5)
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream:
+                stream.close()
+
+
+@pytest.fixture
+def launcher():
+    started: list[Launcher] = []
+
+    def start(*args: str, cwd: Path, env: dict[str, str] | None = None) -> Launcher:
+        la = Launcher(list(args), cwd, env)
+        started.append(la)
+        return la
+
+    yield start
+    for la in started:
+        la.cleanup()
+
+
+TITLE = re.compile(r"^torchmp: hang report (\d+) of (\S+) \((.+?)\), \d+\.\ds after start, (.+); cpu: (.+)$")
+ROW = re.compile(r"^\s*(?P<rank>\d+)\s+(?P<pid>\d+)\s+(?P<state>\S+(?: \(D\))?)\s+(?P<cpu>\d+\.\d\d)s\s+"
+                 r"(?P<rss>\d+\.\d) MiB\s+(?P<age>\d+\.\ds ago|-)\s+(?P<wchan>\S+)$")
+
+
+def parse_report(lines: list[str], number: int) -> tuple[re.Match, dict[int, dict[str, str]]]:
+    start = next(i for i, line in enumerate(lines)
+                 if (m := TITLE.match(line)) and int(m.group(1)) == number)
+    title = TITLE.match(lines[start])
+    assert re.split(r"\s{2,}", lines[start + 1]) == ["rank", "pid", "state", "cpu", "rss", "last output",
+                                                     "wchan"], lines[start + 1]
+    rows = {}
+    for line in lines[start + 2:]:
+        m = ROW.match(line)
+        if not m:
+            break
+        rows[int(m["rank"])] = m.groupdict()
+    return title, rows
+
+
+def reports_in(lines: list[str]) -> list[str]:
+    return [line for line in lines if TITLE.match(line)]
+
+
+def wchan_visible() -> bool:
+    """Whether this kernel shows wait channels to us (some hide them: "0")."""
+    p = subprocess.Popen(["sleep", "5"])
+    try:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            if _hang.sample(p.pid).state == "S":
+                return _hang.read_wchan(p.pid) != "-"
+            time.sleep(0.01)
+        return False
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_sigusr2_prints_where_each_rank_is_and_stops_nothing(launcher, tmp_path):
+    (tmp_path / "w.py").write_text(WORKER)
+    la = launcher("-n", "3", "--log-dir", str(tmp_path / "logs"), "--", sys.executable, "w.py",
+                  cwd=tmp_path, env={"PATH": "/usr/bin:/bin"})  # no py-spy
+    la.wait_for(lambda: sum(line.endswith("]:ready") for line in la.out) == 3, 30, "3 ready lines")
+    time.sleep(1.0)  # the busy rank burns CPU
+    sent = time.monotonic()
+    la.proc.send_signal(signal.SIGUSR2)
+    la.wait_for(lambda: any("hang report 1 saved in" in line for line in la.err), 10, "report 1")
+    assert time.monotonic() - sent < 5
+    title, rows = parse_report(la.err, 1)
+    assert title.group(2) == "w" and title.group(3) == "asked by SIGUSR2"
+    assert title.group(5) == "since the start"
+    assert sorted(rows) == [0, 1, 2]
+    pipe, busy, sleeper = rows[0], rows[1], rows[2]
+    assert pipe["state"] == "sleeping" and sleeper["state"] == "sleeping" and busy["state"] == "running"
+    assert float(busy["cpu"]) > 0.3
+    assert float(pipe["cpu"]) < 0.3 and float(sleeper["cpu"]) < 0.3  # the interpreter's start-up
+    for row in rows.values():
+        assert float(row["rss"]) > 1
+        assert row["age"].endswith("s ago") and float(row["age"].split("s")[0]) >= 0.9
+    assert busy["wchan"] in ("-", "0")
+    if wchan_visible():
+        assert "pipe" in pipe["wchan"], pipe         # pipe_read, pipe_wait, anon_pipe_read...
+        assert "sleep" in sleeper["wchan"], sleeper  # hrtimer_nanosleep, do_nanosleep...
+    assert any("with py-spy installed" in line for line in la.err)
+
+    # Nothing was stopped.
+    pids = {rank: int(row["pid"]) for rank, row in rows.items()}
+    assert la.proc.poll() is None
+    for pid in pids.values():
+        assert pid_alive(pid) and _hang.sample(pid).state in ("R", "S")
+
+    # The same report is in the run's directory.
+    saved = next(line for line in la.err if "hang report 1 saved in" in line).split(" saved in ", 1)[1]
+    assert Path(saved).parent.name == "attempt_0" and Path(saved).name == "hang-report-1.txt"
+    text = Path(saved).read_text()
+    assert TITLE.match(text.splitlines()[0]) and text.splitlines()[1].startswith("rank ")
+    assert text.count(f"  {pids[1]}  running  ") == 1
+
+    # A second report: CPU since the first.
+    time.sleep(0.6)
+    la.proc.send_signal(signal.SIGUSR2)
+    la.wait_for(lambda: any("hang report 2 saved in" in line for line in la.err), 10, "report 2")
+    title, rows = parse_report(la.err, 2)
+    assert title.group(5).startswith("since report 1, ")
+    assert float(rows[1]["cpu"]) > 0.2 and float(rows[0]["cpu"]) < 0.05 and float(rows[2]["cpu"]) < 0.05
+    assert sum("with py-spy installed" in line for line in la.err) == 1  # said once
+
+    la.proc.send_signal(signal.SIGTERM)
+    assert la.finish() == 128 + signal.SIGTERM
+    assert wait_no_tagged(la.tag) == []
+    assert "torchmp: got SIGTERM: terminated the workers" in la.err
+
+
+def test_report_with_py_spy_shows_each_python_rank(launcher, tmp_path):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    fake_py_spy(bindir, 'echo "Thread $3 (idle): \\"MainThread\\""\necho "    <module> (w.py:9)"\n')
+    (tmp_path / "w.py").write_text(WORKER.replace("rank == 1", "rank == 99"))  # no busy rank
+    # Rank 0 is Python itself; rank 1 runs it under a shell: the Python
+    # process of its group is dumped.
+    la = launcher("-n", "2", "--log-dir", str(tmp_path / "logs"), "--", "sh", "-c",
+                  f'if [ "$LOCAL_RANK" = 0 ]; then exec {sys.executable} w.py; fi; {sys.executable} w.py; exit 0',
+                  cwd=tmp_path,
+                  env={"PATH": f"{bindir}:/usr/bin:/bin"})
+    la.wait_for(lambda: sum(line.endswith("]:ready") for line in la.out) == 2, 30, "2 ready lines")
+    la.proc.send_signal(signal.SIGUSR2)
+    la.wait_for(lambda: any("hang report 1 saved in" in line for line in la.err), 15, "report 1")
+    _, rows = parse_report(la.err, 1)
+    shell = int(rows[1]["pid"])
+    dumps = [line for line in la.err if line.startswith("torchmp: py-spy dump of rank")]
+    assert len(dumps) == 2, la.err
+    assert dumps[0] == f"torchmp: py-spy dump of rank 0 (pid {rows[0]['pid']}):"
+    m = re.fullmatch(r"torchmp: py-spy dump of rank 1 \(pid (\d+)\):", dumps[1])
+    assert m and int(m.group(1)) != shell  # the trainer, not the shell
+    assert _hang.parse_stat(Path(f"/proc/{m.group(1)}/stat").read_text()).pgrp == shell
+    assert f"Thread {m.group(1)} (idle): \"MainThread\"" in la.err
+    saved = next(line for line in la.err if "hang report 1 saved in" in line).split(" saved in ", 1)[1]
+    assert f"Thread {m.group(1)} (idle)" in Path(saved).read_text()
+    la.proc.send_signal(signal.SIGTERM)
+    assert la.finish() == 128 + signal.SIGTERM
+
+
+SILENT = textwrap.dedent("""\
+    import os, sys, time
+    print("ready", flush=True)
+    flag = sys.argv[1]
+    while not os.path.exists(flag):
+        time.sleep(0.05)
+    print("more", flush=True)
+    time.sleep(600)
+""")
+
+
+def silent_report(lines: list[str], nranks: int, after: int = 0) -> int | None:
+    """The number of the first report (after report ``after``) in which every
+    rank had been silent for about a second (a rank slow to start, or to
+    answer the flag, can make an earlier one)."""
+    for title in reports_in(lines):
+        number = int(TITLE.match(title).group(1))
+        if number <= after:
+            continue
+        _, rows = parse_report(lines, number)
+        if len(rows) == nranks and all(row["age"] != "-" and float(row["age"].split("s")[0]) >= 0.9
+                                       for row in rows.values()):
+            return number
+    return None
+
+
+@pytest.mark.parametrize("streams", ["tee", "redirected"])
+def test_hang_report_after_once_per_silence(launcher, tmp_path, streams):
+    (tmp_path / "s.py").write_text(SILENT)
+    flag = tmp_path / "flag"
+    extra = ["--redirects", "3"] if streams == "redirected" else []
+    la = launcher("-n", "2", "--hang-report-after", "1", *extra, "--log-dir", str(tmp_path / "logs"),
+                  "--", sys.executable, "s.py", str(flag), cwd=tmp_path, env={"PATH": "/usr/bin:/bin"})
+    if streams == "tee":
+        la.wait_for(lambda: sum(line.endswith("]:ready") for line in la.out) == 2, 30, "2 ready lines")
+    started = time.monotonic()
+    la.wait_for(lambda: silent_report(la.err, 2) is not None, 10, "a report of both ranks silent")
+    if streams == "tee":
+        assert time.monotonic() - started < 3
+    first = silent_report(la.err, 2)
+    title, rows = parse_report(la.err, first)
+    assert title.group(3) == "no output for 1s"
+    assert all(row["state"] == "sleeping" for row in rows.values())
+    time.sleep(2.5)  # silence goes on: no further report
+    assert len(reports_in(la.err)) == first, la.err
+    flag.touch()  # new output, then silence again: one more
+    la.wait_for(lambda: (silent_report(la.err, 2, after=first) or 0) > first, 10, "the next report")
+    second = silent_report(la.err, 2, after=first)
+    title, _ = parse_report(la.err, second)
+    assert title.group(3) == "no output for 1s"
+    if streams == "tee":
+        assert sum(line.endswith("]:more") for line in la.out) == 2
+    time.sleep(1.5)
+    assert len(reports_in(la.err)) == second, la.err
+    la.proc.send_signal(signal.SIGTERM)
+    assert la.finish() == 128 + signal.SIGTERM
+
+
+def test_torchelastic_signals_to_handle_makes_sigusr2_stop_the_job(launcher, tmp_path):
+    la = launcher("-n", "2", "--log-dir", str(tmp_path / "logs"), "--", sys.executable, "-c",
+                  "import time; print('ready', flush=True); time.sleep(600)", cwd=tmp_path,
+                  env={"TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGUSR2"})
+    la.wait_for(lambda: sum(line.endswith("]:ready") for line in la.out) == 2, 30, "2 ready lines")
+    la.proc.send_signal(signal.SIGUSR2)
+    assert la.finish() == 128 + signal.SIGUSR2
+    assert not reports_in(la.err)
+    assert wait_no_tagged(la.tag) == []

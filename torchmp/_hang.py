@@ -1,0 +1,466 @@
+"""Where is each rank?  The hang report of ``torchmp run``.
+
+A report is a table, one row per rank, read from ``/proc`` without touching
+the workers (stdlib only: psutil is not a run-time dependency)::
+
+    rank    pid  state     cpu    rss       last output  wchan
+       0  41721  sleeping  0.02s   9.6 MiB  5.0s ago     anon_pipe_read
+       1  41722  running   4.98s   9.5 MiB  5.0s ago     -
+       2  41723  sleeping  0.02s   9.4 MiB  5.0s ago     hrtimer_nanosleep
+
+``cpu`` is the CPU time (user + system) the rank used since the previous
+report (since it started, in the first); ``wchan`` is the kernel function it
+sleeps in (``/proc/<pid>/wchan``; ``-`` when it is not waiting).  Where
+``py-spy`` is installed, the Python stack of every Python process in each
+rank's process group follows the table (``py-spy dump``, run in parallel,
+each with a time limit).
+
+The pieces are plain functions over ``/proc`` text (:func:`parse_stat`,
+:func:`parse_statm`, :func:`read_wchan`), a formatter (:func:`format_table`)
+and :class:`HangWatch`, which keeps what a report needs from the previous
+one (CPU times, the report count) and decides when a job that went silent
+gets a report by itself (once per silence, re-armed by new output).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import shutil
+import stat
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "ProcStat", "RankSample", "HangWatch", "parse_stat", "parse_statm", "read_wchan",
+    "state_name", "sample", "format_table", "output_ages", "python_pids_by_group",
+    "py_spy_dumps", "write_without_blocking",
+]
+
+_MIB = 1024 * 1024
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+#: How long each ``py-spy dump`` may take (they run in parallel).
+PY_SPY_TIMEOUT = 5.0
+
+#: ``/proc/<pid>/stat`` state letters (proc(5)), as the report shows them.
+STATE_NAMES = {
+    "R": "running",
+    "S": "sleeping",
+    "D": "uninterruptible (D)",
+    "Z": "zombie",
+    "T": "stopped",
+    "t": "traced",
+    "X": "dead",
+    "x": "dead",
+    "I": "idle",
+    "K": "wakekill",
+    "W": "waking",
+    "P": "parked",
+}
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    """The fields of ``/proc/<pid>/stat`` a report uses (times in clock ticks)."""
+
+    pid: int
+    comm: str
+    state: str
+    ppid: int
+    pgrp: int
+    utime: int
+    stime: int
+    starttime: int
+    rss_pages: int
+
+
+def parse_stat(text: str) -> ProcStat:
+    """Parse one ``/proc/<pid>/stat`` line.
+
+    The command name (field 2) is in parentheses and may itself contain
+    spaces and parentheses (``(a) b)``), so it runs from the first ``(`` to
+    the *last* ``)``; the other fields are split on whitespace after it.
+    Raises ValueError for a line that is not a stat line.
+    """
+    open_at = text.find("(")
+    close_at = text.rfind(")")
+    if open_at < 0 or close_at < open_at:
+        raise ValueError(f"not a /proc/<pid>/stat line: {text[:80]!r}")
+    pid = int(text[:open_at])
+    comm = text[open_at + 1:close_at]
+    rest = text[close_at + 1:].split()
+    if len(rest) < 22:
+        raise ValueError(f"short /proc/<pid>/stat line: {text[:80]!r}")
+    return ProcStat(
+        pid=pid,
+        comm=comm,
+        state=rest[0],
+        ppid=int(rest[1]),
+        pgrp=int(rest[2]),
+        utime=int(rest[11]),
+        stime=int(rest[12]),
+        starttime=int(rest[19]),
+        rss_pages=int(rest[21]),
+    )
+
+
+def parse_statm(text: str) -> int:
+    """Resident pages from ``/proc/<pid>/statm`` (its second field)."""
+    fields = text.split()
+    if len(fields) < 2:
+        raise ValueError(f"not a /proc/<pid>/statm line: {text[:80]!r}")
+    return int(fields[1])
+
+
+def _read(path: str) -> str:
+    with open(path, "rb") as f:
+        return f.read().decode("utf-8", "replace")
+
+
+def read_wchan(pid: int, proc: str = "/proc") -> str:
+    """The kernel function ``pid`` sleeps in, or ``-``: not waiting (the
+    kernel's ``0``: running, or hidden from us), or unreadable."""
+    try:
+        text = _read(f"{proc}/{pid}/wchan").strip()
+    except OSError:
+        return "-"
+    return text if text and text != "0" else "-"
+
+
+def state_name(letter: str) -> str:
+    return STATE_NAMES.get(letter, letter or "?")
+
+
+@dataclass(frozen=True)
+class RankSample:
+    """One rank's process as read from ``/proc`` at one moment."""
+
+    pid: int
+    state: str          # a /proc state letter; "" if the process is gone
+    cpu_ticks: int      # utime + stime, clock ticks
+    rss: int            # bytes
+    wchan: str
+
+
+def sample(pid: int, proc: str = "/proc") -> RankSample:
+    """Read ``pid``'s state, CPU time, RSS and wait channel from ``/proc``."""
+    try:
+        st = parse_stat(_read(f"{proc}/{pid}/stat"))
+    except (OSError, ValueError):
+        return RankSample(pid, "", 0, 0, "-")
+    try:
+        rss_pages = parse_statm(_read(f"{proc}/{pid}/statm"))
+    except (OSError, ValueError):
+        rss_pages = st.rss_pages
+    return RankSample(pid, st.state, st.utime + st.stime, rss_pages * _PAGE, read_wchan(pid, proc))
+
+
+def _format_rss(nbytes: int) -> str:
+    return f"{nbytes / _MIB:.1f} MiB"
+
+
+def _format_age(age: float | None) -> str:
+    return "-" if age is None else f"{age:.1f}s ago"
+
+
+def format_table(rows: Sequence[tuple[int, RankSample | None, float | None, float | None]]) -> str:
+    """The report's table: per row (rank, sample or None when the rank has
+    no process, CPU seconds to show, seconds since its last output).  Columns
+    are aligned as in ``torchmp run``'s summary table."""
+    header = ("rank", "pid", "state", "cpu", "rss", "last output", "wchan")
+    cells = []
+    for rank, s, cpu, age in rows:
+        if s is None:
+            cells.append((str(rank), "-", "not started", "-", "-", _format_age(age), "-"))
+        elif not s.state:
+            cells.append((str(rank), str(s.pid), "gone", "-", "-", _format_age(age), "-"))
+        else:
+            cells.append((str(rank), str(s.pid), state_name(s.state),
+                          "-" if cpu is None else f"{cpu:.2f}s", _format_rss(s.rss),
+                          _format_age(age), s.wchan))
+    widths = [max(len(r[i]) for r in (header, *cells)) for i in range(len(header))]
+    left = {2, 5, 6}  # state, last output and wchan read better left-aligned
+
+    def line(row: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i in left else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+
+    return "\n".join([line(header), *(line(c) for c in cells)]) + "\n"
+
+
+def output_ages(ctx: Any, now_real: float | None = None) -> dict[int, float | None]:
+    """Seconds since each rank last wrote a line, as far as the launcher can
+    tell: the context's ``output_ages()`` (lines that passed through it)
+    where it has one, and the modification time of the rank's non-empty log
+    files (streams written straight to a file).  None where neither tells."""
+    getter = getattr(ctx, "output_ages", None)
+    ages: dict[int, float | None] = {}
+    if callable(getter):
+        try:
+            ages = dict(getter())
+        except (OSError, ValueError):
+            ages = {}
+    now = time.time() if now_real is None else now_real
+    stdouts: Mapping[int, str] = getattr(ctx, "stdouts", {}) or {}
+    stderrs: Mapping[int, str] = getattr(ctx, "stderrs", {}) or {}
+    for rank in set(stdouts) | set(stderrs) | set(ages):
+        age = ages.get(rank)
+        for path in (stdouts.get(rank, ""), stderrs.get(rank, "")):
+            if not path:
+                continue
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode) or not st.st_size:
+                continue  # /dev/null (--log-dir /dev/null), or nothing written yet
+            file_age = max(0.0, now - st.st_mtime)
+            if age is None or file_age < age:
+                age = file_age
+        ages[rank] = age
+    return ages
+
+
+class HangWatch:
+    """What the reports of one job remember, and when a silent job gets one.
+
+    ``after`` (``--hang-report-after``): once no rank has written anything
+    for that many seconds, :meth:`check` says a report is due -- once per
+    silence: the next one only after new output and another ``after``
+    seconds without any.  ``requested`` is set by the signal handler.
+    """
+
+    def __init__(self, after: float | None, started: float) -> None:
+        self.after = after
+        self.started = started        # time.monotonic() of the launch
+        self.requested = False
+        self.count = 0
+        self._cpu_ticks: dict[int, int] = {}
+        self._last_report: float | None = None
+        self._armed = True
+        self._mark = 0.0              # the newest output when the last silence report was due
+
+    def newest_output(self, ages: Mapping[int, float | None], now: float) -> float:
+        """Monotonic time of the newest output of any rank (the launch if none)."""
+        known = [a for a in ages.values() if a is not None]
+        return max(self.started, now - min(known)) if known else self.started
+
+    def check(self, ages: Mapping[int, float | None], now: float) -> tuple[bool, float]:
+        """(a report is due now, seconds until the next check; -1: none needed)."""
+        if self.after is None:
+            return False, -1.0
+        newest = self.newest_output(ages, now)
+        if not self._armed:
+            # Re-armed by output newer than the silence that was reported
+            # (half a period of slack against clock jitter in the ages).
+            if newest <= self._mark + self.after / 2:
+                return False, self.after
+            self._armed = True
+        due = newest + self.after
+        if now >= due:
+            self._armed = False
+            self._mark = newest
+            return True, self.after
+        return False, due - now
+
+    def report(self, name: str, reason: str, pids: Mapping[int, int], ranks: Iterable[int],
+               global_rank: Callable[[int], int], ages: Mapping[int, float | None], now: float,
+               proc: str = "/proc") -> str:
+        """Sample every rank and return the report's title and table."""
+        self.count += 1
+        rows: list[tuple[int, RankSample | None, float | None, float | None]] = []
+        for local in ranks:
+            pid = pids.get(local)
+            if pid is None:
+                rows.append((global_rank(local), None, None, ages.get(local)))
+                continue
+            s = sample(pid, proc)
+            cpu = None
+            if s.state:
+                cpu = (s.cpu_ticks - self._cpu_ticks.get(pid, 0)) / _CLK_TCK
+                self._cpu_ticks[pid] = s.cpu_ticks
+            rows.append((global_rank(local), s, cpu, ages.get(local)))
+        since = ("since the start" if self._last_report is None
+                 else f"since report {self.count - 1}, {now - self._last_report:.1f}s ago")
+        self._last_report = now
+        if any(a is not None for a in ages.values()):
+            last = f"last output {now - self.newest_output(ages, now):.1f}s ago"
+        else:
+            last = "no output seen"
+        title = (f"torchmp: hang report {self.count} of {name} ({reason}), "
+                 f"{now - self.started:.1f}s after start, {last}; cpu: {since}\n")
+        return title + format_table(rows)
+
+
+# ---------------------------------------------------------------------------
+# py-spy
+
+
+_PYTHON_EXE = re.compile(r"python[0-9.]*[dmu]*")
+
+
+def _is_python(pid: int, proc: str) -> bool:
+    try:
+        exe = os.path.basename(os.readlink(f"{proc}/{pid}/exe"))
+    except OSError:
+        return False
+    return bool(_PYTHON_EXE.fullmatch(exe.removesuffix(" (deleted)")))
+
+
+def python_pids_by_group(pgids: Iterable[int], proc: str = "/proc") -> dict[int, list[int]]:
+    """The live Python processes in each of the process groups ``pgids`` (a
+    rank's leader, and whatever it started in its group: the trainer under
+    ``sh -c 'python train.py'``), leader first; one pass over ``/proc``."""
+    found: dict[int, list[int]] = {pgid: [] for pgid in pgids}
+    try:
+        names = os.listdir(proc)
+    except OSError:
+        return found
+    for name in names:
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        try:
+            st = parse_stat(_read(f"{proc}/{pid}/stat"))
+        except (OSError, ValueError):
+            continue
+        if st.pgrp in found and st.state not in ("Z", "X", "x") and _is_python(pid, proc):
+            found[st.pgrp].append(pid)
+    for pgid, pids in found.items():
+        pids.sort(key=lambda p: (p != pgid, p))
+    return found
+
+
+def py_spy_dumps(pids: Sequence[int], timeout: float = PY_SPY_TIMEOUT,
+                 py_spy: str | None = None) -> dict[int, str]:
+    """``py-spy dump --pid P`` for each pid, all at once, each cut off after
+    ``timeout`` seconds; pid -> what it printed (or why there is nothing).
+    Empty if py-spy is not installed."""
+    exe = py_spy or shutil.which("py-spy")
+    if exe is None or not pids:
+        return {}
+    running: list[tuple[int, subprocess.Popen[bytes], Any]] = []
+    out: dict[int, str] = {}
+    try:
+        for pid in pids:
+            # A file, not a pipe: a big dump never waits for us to read it.
+            sink = tempfile.TemporaryFile()
+            try:
+                p = subprocess.Popen([exe, "dump", "--pid", str(pid)], stdin=subprocess.DEVNULL,
+                                     stdout=sink, stderr=subprocess.STDOUT)
+            except OSError as e:
+                sink.close()
+                out[pid] = f"py-spy could not be started: {e}"
+                continue
+            running.append((pid, p, sink))
+        deadline = time.monotonic() + timeout
+        for pid, p, sink in running:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+                note = "" if p.returncode == 0 else f"(py-spy exited with {p.returncode})\n"
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+                note = f"(py-spy gave no answer within {timeout:g}s)\n"
+            sink.seek(0)
+            out[pid] = sink.read().decode("utf-8", "replace") + note
+    finally:
+        for _, p, sink in running:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            sink.close()
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The console
+
+
+def _pieces(data: bytes, size: int) -> list[bytes]:
+    """``data`` in pieces of whole lines, each at most ``size`` bytes (a
+    longer line is cut)."""
+    pieces: list[bytes] = []
+    current = b""
+    for line in data.splitlines(keepends=True):
+        while len(line) > size:
+            if current:
+                pieces.append(current)
+                current = b""
+            pieces.append(line[:size])
+            line = line[size:]
+        if len(current) + len(line) > size:
+            pieces.append(current)
+            current = b""
+        current += line
+    if current:
+        pieces.append(current)
+    return pieces
+
+
+def write_without_blocking(fd: int, data: bytes, budget: float = 1.0) -> bool:
+    """Write ``data`` to ``fd`` whole lines at a time, waiting at most
+    ``budget`` seconds in all for a console that does not take it (a pipe
+    nobody reads, a terminal stopped with ^S): the rest is then left out.
+
+    As the native console does: a regular file or /dev/null is written
+    plainly; a pipe, FIFO or terminal through a private non-blocking open
+    file description (the launcher's own fd, shared with the workers, keeps
+    its flags); anything else in pieces of at most PIPE_BUF after a poll for
+    room.  A console that is closed or gone (EPIPE, EIO) ends the write.
+    True if everything was written.
+    """
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return False
+    if stat.S_ISREG(st.st_mode) or stat.S_ISBLK(st.st_mode) or (
+            stat.S_ISCHR(st.st_mode) and not os.isatty(fd)):
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            return True
+        except OSError:
+            return False
+    private = -1
+    try:
+        private = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError:
+        pass
+    target = private if private >= 0 else fd
+    deadline = time.monotonic() + budget
+    poller = select.poll()
+    poller.register(target, select.POLLOUT)
+    try:
+        for piece in _pieces(data, select.PIPE_BUF):
+            # A piece of at most PIPE_BUF bytes goes into a pipe whole or not
+            # at all, so no line of ours tears a worker's line.
+            view = memoryview(piece)
+            while view:
+                written = 0
+                if private >= 0 or poller.poll(0):
+                    try:
+                        written = os.write(target, view)
+                    except BlockingIOError:
+                        pass
+                if written:
+                    view = view[written:]
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                poller.poll(max(1, int(min(left, 0.05) * 1000)))
+        return True
+    except OSError:  # EPIPE, EIO: the console is closed or gone
+        return False
+    finally:
+        if private >= 0:
+            os.close(private)
