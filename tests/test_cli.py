@@ -344,7 +344,7 @@ def test_recorded_exception_in_report(run, tmp_path):
     assert "ValueError: boom from rank 1" in root
     assert error_file.exists()
     rows = summary_rows(err)
-    assert (rows[1]["exit"], rows[1]["note"]) == ("1", "root cause")
+    assert (rows[1]["exit"], rows[1]["note"]) == ("1", "root cause: ValueError: boom from rank 1")
     assert rows[0]["exit"] in ("0", "SIGTERM")  # done, or stopped by the fail-fast
 
 

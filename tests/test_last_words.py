@@ -48,7 +48,8 @@ def test_traceback_becomes_message_and_report(tmp_path, redirects, tee):
     ctx, result = _run(tmp_path, {0: RAISES, 1: SLEEPS}, redirects=redirects, tee=tee)
     failure = result.failures[0]
     assert failure.exitcode == 1 and failure.error_file == "<N/A>"
-    assert failure.message == "ValueError: boom"
+    assert failure.message == TO_ENABLE  # torch's field, unchanged
+    assert failure.headline == "ValueError: boom"
     assert failure.stderr_tail.splitlines()[0] == "loading"
     assert failure.stderr_tail.splitlines()[-1] == "ValueError: boom"
     assert 'File "<string>", line 5, in main' in failure.stderr_tail
@@ -68,7 +69,8 @@ def test_last_lines_without_traceback(tmp_path):
     _, result = _run(tmp_path, {0: code}, tee=Std.ALL)
     failure = result.failures[0]
     assert failure.exitcode == 3
-    assert failure.message == "config file missing"
+    assert failure.message == TO_ENABLE
+    assert failure.headline == "config file missing"
     lines = failure.stderr_tail.splitlines()
     assert len(lines) == DEFAULT_STDERR_TAIL_LINES
     assert lines == [f"line {i}" for i in range(11, 30)] + ["config file missing"]
@@ -81,7 +83,7 @@ def test_signal_death_keeps_its_message_and_shows_the_tail(tmp_path):
     _, result = _run(tmp_path, {0: code}, tee=Std.ALL)
     failure = result.failures[0]
     assert failure.exitcode == -signal.SIGSEGV
-    assert failure.message == f"Signal 11 (SIGSEGV) received by PID {failure.pid}"
+    assert failure.message == failure.headline == f"Signal 11 (SIGSEGV) received by PID {failure.pid}"
     assert failure.stderr_tail == "about to crash"
     assert "last 1 line of stderr:\n    about to crash" in str(ChildFailedError("job", result.failures))
 
@@ -92,7 +94,7 @@ def test_error_file_wins_over_the_tail(tmp_path):
     _, result = _run(tmp_path, {0: code}, tee=Std.ALL)
     failure = result.failures[0]
     assert failure.error_file.endswith("error.json")
-    assert failure.message["message"] == "KeyError: 'recorded'"
+    assert failure.message["message"] == failure.headline == "KeyError: 'recorded'"
     assert last_words(failure) is None
     report = str(ChildFailedError("job", result.failures))
     assert "of stderr" not in report
@@ -109,7 +111,7 @@ def test_tail_is_bounded_and_ends_with_the_last_bytes(tmp_path):
     with open(result.stderrs[0], "rb") as f:
         expected = f.read().decode().splitlines()[-7:]
     assert failure.stderr_tail.splitlines() == expected
-    assert failure.message == expected[-1]
+    assert failure.headline == expected[-1]
 
 
 def test_partial_first_line_is_dropped_and_progress_bars_show_their_last_state(tmp_path):
@@ -126,7 +128,7 @@ def test_stderr_tail_zero_turns_it_off(tmp_path):
     _, result = _run(tmp_path, {0: RAISES}, tee=Std.ALL, stderr_tail=0)
     failure = result.failures[0]
     assert failure.stderr_tail == ""
-    assert failure.message == TO_ENABLE
+    assert failure.message == failure.headline == TO_ENABLE
 
 
 def test_inherited_stderr_has_no_tail_unless_watched(tmp_path):
@@ -143,7 +145,7 @@ def test_inherited_stderr_has_no_tail_unless_watched(tmp_path):
             r = ctx.wait(60)
             ctx.close()
             f = r.failures[0]
-            print(json.dumps([watch, f.message, f.stderr_tail]), flush=True)
+            print(json.dumps([watch, f.headline, f.stderr_tail]), flush=True)
         """
     done = run_launcher(script)
     assert done.returncode == 0, done.stderr
@@ -175,11 +177,11 @@ def test_failure_fields_from_a_given_tail():
     tb = ('Traceback (most recent call last):\n  File "t.py", line 1, in <module>\n'
           '    f()\nRuntimeError: first line\nsecond line of the message')
     f = ProcessFailure(0, 10, 1, "/nonexistent", stderr_tail="noise\n" + tb)
-    assert f.message == "RuntimeError: first line"
+    assert f.headline == "RuntimeError: first line"
     assert last_words(f) == tb
     # a tail with a header but no exception line is no traceback
     g = ProcessFailure(0, 11, 4, "/nonexistent", stderr_tail='Traceback (most recent call last):\n  File "x"')
-    assert g.message == '  File "x"'
+    assert g.headline == '  File "x"'
     h = ProcessFailure(0, 12, -9, "/nonexistent", stderr_tail="", cause="killed by the kernel OOM killer")
     assert h.message == "Signal 9 (SIGKILL) received by PID 12; killed by the kernel OOM killer"
 

@@ -633,10 +633,11 @@ def test_script_without_main_guard_fails_clearly_and_never_nests(tmp_path, metho
         kill_tagged(tag)
     lines = proc.stdout.splitlines()
     assert proc.returncode == 0, proc.stderr[-3000:]
-    # Every rank failed: on its own (exit 1), or stopped by the fail-fast.
+    # Every rank failed on its own (exit 1) or was stopped by the fail-fast;
+    # as torch's function contexts, only the former are failures.
     codes = [line.split()[:2] for line in lines]
-    assert [rank for rank, _ in codes] == ["0", "1"], proc.stdout + proc.stderr[-2000:]
-    assert {code for _, code in codes} <= {"1", "-15"} and "1" in {code for _, code in codes}, codes
+    assert [rank for rank, _ in codes] in (["0"], ["1"], ["0", "1"]), proc.stdout + proc.stderr[-2000:]
+    assert {code for _, code in codes} == {"1"}, codes
     for line in lines:
         if line.split()[1] == "1":
             assert "finished its bootstrapping phase" in line, line

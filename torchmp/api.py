@@ -674,7 +674,7 @@ class _NativeContext(PContext):
         # is released: (bytes, whether the bound cut older bytes).
         self._tails: dict[int, tuple[bytes, bool]] = {}
         # The OOM killer's count at start, to name its kills (None: unknown).
-        self._oom_watch: Any = None
+        self._oom_watch: _oom.OomWatch | None = None
 
     # -- what and how to start (subclass) -----------------------------------
     @abc.abstractmethod

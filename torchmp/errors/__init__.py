@@ -194,10 +194,9 @@ class ProcessFailure:
     * ``terminated_by_launcher``: the launcher killed this rank because another one
       failed first; such a rank is never chosen as the root cause.
     * ``stderr_tail``: the last lines the rank wrote to stderr, as the launcher saw
-      them pass (or read from the end of its redirect file). With no error file, a
-      Python traceback in it gives ``message`` (its exception line) and the
-      report's traceback; any other tail gives the last line as ``message`` of a
-      non-zero exit, and is shown under the report's traceback.
+      them pass (or read from the end of its redirect file). ``message`` stays
+      torch's; with no error file, the report shows the tail instead (see
+      :attr:`headline` and :func:`last_words`).
     * ``cause``: what the launcher found out about the death beyond the exit
       status, e.g. ``"killed by the kernel OOM killer (...)"``; added to ``message``.
     """
@@ -288,14 +287,9 @@ class ProcessFailure:
                     "category": "system_terminated_error",
                     "retryability": "False",
                 }
-            exception_line = _exception_line(self.stderr_tail)
-            if exception_line is not None:
-                self.message = exception_line
-            elif self.exitcode < 0:
+            if self.exitcode < 0:
                 # signals typically do not leave an error file
                 self.message = self._signal_message()
-            elif self.stderr_tail.strip():
-                self.message = self.stderr_tail.rstrip().rsplit("\n", 1)[-1]
             else:
                 self.message = (
                     "To enable traceback see:"
@@ -303,6 +297,23 @@ class ProcessFailure:
                 )
         if self.cause and isinstance(self.message, str):
             self.message = f"{self.message}; {self.cause}" if self.message else self.cause
+
+    @property
+    def headline(self) -> str:
+        """This failure in one line, for reports: the error file's message;
+        without one, the exception line of a Python traceback in the stderr
+        tail, else (a non-zero exit) the tail's last line, else ``message``."""
+        message = self.message
+        if isinstance(message, dict):
+            inner = message.get("message", _NOT_AVAILABLE)
+            return str(inner).split("\n", 1)[0]
+        if self.error_file_data.get("message") in (None, "<NONE>") and self.stderr_tail.strip():
+            exception_line = _exception_line(self.stderr_tail)
+            if exception_line is not None:
+                return exception_line if not self.cause else f"{exception_line}; {self.cause}"
+            if self.exitcode > 0:
+                return self.stderr_tail.rstrip().rsplit("\n", 1)[-1]
+        return str(message).split("\n", 1)[0]
 
     def _set_problem(self, explanation: str) -> None:
         logger.warning("rank %s (pid %s): %s", self.local_rank, self.pid, explanation)
@@ -498,7 +509,7 @@ def last_words(failure: ProcessFailure) -> str | None:
     if traceback is not None:
         return traceback if not failure.cause else f"{traceback}\n({failure.cause})"
     lines = tail.split("\n")
-    return (f"{failure.message}\nlast {len(lines)} line{'s' if len(lines) != 1 else ''} of stderr:\n"
+    return (f"{failure.headline}\nlast {len(lines)} line{'s' if len(lines) != 1 else ''} of stderr:\n"
             + "\n".join(f"  {line}" for line in lines))
 
 
