@@ -138,24 +138,42 @@ def test_inherited_stderr_has_no_tail_unless_watched(tmp_path):
         import json, sys
         import torchmp
         from torchmp import DefaultLogsSpecs
+        import os
         for watch in (False, True):
+            # the keyword, then the variable a torchrun user can set
+            kw = {{"watch_stderr": True}} if watch else {{}}
+            os.environ["TORCHMP_WATCH_STDERR"] = "0"
             ctx = torchmp.start_processes(
                 "w", sys.executable, {{0: ("-c", {RAISES!r})}}, {{0: {{}}}},
-                DefaultLogsSpecs(log_dir={str(tmp_path)!r}), watch_stderr=watch)
+                DefaultLogsSpecs(log_dir={str(tmp_path)!r}), **kw)
             r = ctx.wait(60)
             ctx.close()
             f = r.failures[0]
             print(json.dumps([watch, f.headline, f.stderr_tail]), flush=True)
+        os.environ["TORCHMP_WATCH_STDERR"] = "1"
+        ctx = torchmp.start_processes("w", sys.executable, {{0: ("-c", {RAISES!r})}}, {{0: {{}}}},
+                                      DefaultLogsSpecs(log_dir={str(tmp_path)!r}))
+        r = ctx.wait(60)
+        ctx.close()
+        print(json.dumps(["env", r.failures[0].headline, r.failures[0].stderr_tail]), flush=True)
+        os.environ["TORCHMP_WATCH_STDERR"] = "maybe"
+        try:
+            torchmp.start_processes("w", sys.executable, {{0: ("-c", "pass")}}, {{0: {{}}}},
+                                    DefaultLogsSpecs(log_dir={str(tmp_path)!r}))
+        except ValueError as e:
+            print(json.dumps(["bad", str(e), ""]), flush=True)
         """
     done = run_launcher(script)
     assert done.returncode == 0, done.stderr
     rows = [json.loads(line) for line in done.stdout.decode().splitlines()]
     assert rows[0] == [False, TO_ENABLE, ""]
     assert rows[1][0] is True and rows[1][1] == "ValueError: boom"
+    assert rows[2][0] == "env" and rows[2][1] == "ValueError: boom"
     assert rows[1][2].startswith("loading\nTraceback (most recent call last):")
     # The worker's stderr reached the launcher's stderr unchanged, both times.
     err = done.stderr.decode()
-    assert err.count("loading\nTraceback (most recent call last):\n") == 2
+    assert err.count("loading\nTraceback (most recent call last):\n") == 3
+    assert rows[3] == ["bad", "TORCHMP_WATCH_STDERR must be 1 or 0 (true/false, yes/no), got 'maybe'", ""]
     assert "[w0]" not in err
 
 

@@ -584,6 +584,19 @@ def stderr_tail_bound(value: object = None) -> int:
     return value
 
 
+def _watch_stderr_setting(value: object) -> bool:
+    """watch_stderr=, else $TORCHMP_WATCH_STDERR (1/0, true/false, yes/no):
+    how a launcher that cannot pass keywords (the torchrun plug-in) opts in."""
+    if value is not None:
+        return bool(value)
+    env = os.environ.get("TORCHMP_WATCH_STDERR", "").strip().lower()
+    if env in ("", "0", "false", "no", "off"):
+        return False
+    if env in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"TORCHMP_WATCH_STDERR must be 1 or 0 (true/false, yes/no), got {env!r}")
+
+
 def _last_lines(data: bytes, lines: int, truncated: bool) -> str:
     """The last ``lines`` lines of data as text; a first line cut by the
     byte bound (truncated) is dropped."""
@@ -1353,7 +1366,7 @@ def start_processes(
     timestamps = bool(kwargs.pop("log_line_timestamps", False))
     console_backlog = kwargs.pop("console_backlog", None)
     stderr_tail = kwargs.pop("stderr_tail", None)
-    watch_stderr = bool(kwargs.pop("watch_stderr", False))
+    watch_stderr = _watch_stderr_setting(kwargs.pop("watch_stderr", None))
     # Checked before anything starts (the env vars too).
     backlog = _console.backlog_bound(console_backlog)
     tail_lines = stderr_tail_bound(stderr_tail)
