@@ -88,7 +88,7 @@ def _make_unkillable(ctx, rank: int) -> _Unkillable:
 
 @pytest.fixture
 def short_kill_grace(monkeypatch):
-    monkeypatch.setattr(torchmp.api, "KILL_GRACE_SECONDS", 0.3)
+    monkeypatch.setattr(torchmp._native, "KILL_GRACE_SECONDS", 0.3)
     return 0.3
 
 

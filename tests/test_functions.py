@@ -909,7 +909,7 @@ class _DevNullTee:
 
 
 def test_fork_worker_exiting_at_once_is_seen_while_the_io_thread_is_busy(tmp_path, monkeypatch):
-    monkeypatch.setattr(torchmp.api, "KILL_GRACE_SECONDS", 0.5)
+    monkeypatch.setattr(torchmp._native, "KILL_GRACE_SECONDS", 0.5)
     # Keep the I/O thread busy copying a flood of teed output (to /dev/null,
     # console included), so the wake-ups of a launch pile up behind it.
     console = os.dup(1)

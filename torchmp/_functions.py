@@ -40,16 +40,16 @@ from collections.abc import Callable
 from typing import Any
 
 from torchmp import _core, _worker
-from torchmp.api import (
-    _CAPTURE, KILL_GRACE_SECONDS, RunProcsResult, SignalException, _ExecPlan, _exec_env, _exitcode,
-    _launcher_environ, _NativeContext, handled_signals, logger,
-)
+from torchmp._exec import _CAPTURE, _ExecPlan, _exec_env, _exitcode, _launcher_environ
+from torchmp._inputs import START_METHODS
+from torchmp._native import KILL_GRACE_SECONDS, _NativeContext, logger
+from torchmp._pcontext import RunProcsResult
+from torchmp._signals import SignalException, handled_signals
 from torchmp.errors import ProcessFailure
 from torchmp.logs_specs import LogsSpecs
 
 __all__ = ["MultiprocessContext", "ProcessExitedException", "WorkerView", "WorkersView"]
 
-START_METHODS = ("spawn", "fork", "forkserver")
 
 
 # A forked worker must die of the signals the launcher turns into
@@ -165,6 +165,8 @@ class WorkersView:
     def join(self, timeout: float | None = None) -> bool:
         ctx = self._context
         ranks = ctx._wait_for(_any_change_after(ctx), timeout)
+        # errors.root_cause_order, on the raw snapshot: never a rank torchmp
+        # terminated, then the earliest exit.
         failed = [(rank in ctx._terminated_by_launcher, info[5], rank, info)
                   for rank, info in enumerate(ranks)
                   if info[0] == _core.PROC_EXITED and info[2] != 0]

@@ -65,8 +65,10 @@ from types import FrameType
 from typing import Any, NoReturn
 
 from torchmp import _console, _hang
-from torchmp.api import (SignalException, close_despite_interrupts, handled_signals, resolve_executable,
-                         start_processes, stderr_tail_bound)
+from torchmp._exec import resolve_executable
+from torchmp._inputs import stderr_tail_bound
+from torchmp._signals import SignalException, close_despite_interrupts, handled_signals
+from torchmp.api import start_processes
 from torchmp.errors import ChildFailedError, ProcessFailure
 from torchmp.logs_specs import DefaultLogsSpecs, LogsDest, Std, to_map
 

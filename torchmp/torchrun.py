@@ -46,7 +46,7 @@ from typing import Any
 
 import torchmp
 from torchmp import api as _tm_api
-from torchmp.errors import last_words
+from torchmp.errors import last_words, root_cause_order
 
 __all__ = ["main", "patched", "start_processes", "TorchNotAvailable"]
 
@@ -159,7 +159,7 @@ def to_torch_result(result: torchmp.RunProcsResult) -> Any:
     t = _load_torch()
     ordered = sorted(
         result.failures.items(),
-        key=lambda kv: (kv[1].terminated_by_launcher, kv[1].precise_timestamp_ns),
+        key=lambda kv: root_cause_order(kv[1]),
     )
     out = t.RunProcsResult(
         return_values=dict(result.return_values),

@@ -426,13 +426,7 @@ class ChildFailedError(Exception):
         is all there is); among the rest the earliest ``precise_timestamp_ns`` wins,
         ties going to the first in ``failures`` order (as torch's ``min``).
         """
-        rank = min(
-            self.failures,
-            key=lambda r: (
-                self.failures[r].terminated_by_launcher,
-                self.failures[r].precise_timestamp_ns,
-            ),
-        )
+        rank = root_cause(self.failures)
         return rank, self.failures[rank]
 
     def format_msg(self, boarder_delim: str = "=", section_delim: str = "-") -> str:
@@ -496,6 +490,19 @@ class ChildFailedError(Exception):
         )
         width = max(len(line) for line in fmt.split("\n"))
         return fmt, width
+
+
+def root_cause_order(failure: ProcessFailure) -> tuple[bool, int]:
+    """The sort key of the root-cause rule, the one owner of it: never a rank
+    the launcher terminated (unless all were), then the earliest failure in
+    nanoseconds."""
+    return failure.terminated_by_launcher, failure.precise_timestamp_ns
+
+
+def root_cause(failures: dict[int, ProcessFailure]) -> int:
+    """The rank of the root cause among ``failures`` (ties: the first in
+    dict order, as torch's ``min``)."""
+    return min(failures, key=lambda rank: root_cause_order(failures[rank]))
 
 
 def last_words(failure: ProcessFailure) -> str | None:

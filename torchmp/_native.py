@@ -1,0 +1,701 @@
+"""The native contexts: workers the I/O thread of :mod:`torchmp._core`
+starts, watches and reaps, and everything that talks to it (stream specs,
+fd budget, results, close)."""
+
+from __future__ import annotations
+
+import abc
+import atexit
+import errno
+import logging
+import os
+import signal
+import stat
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from torchmp import _console, _core, _oom
+from torchmp._exec import _CAPTURE, _NO_STREAM, _ExecPlan, _exec_env, _exitcode, _launcher_environ, _open_log, resolve_executable
+from torchmp._inputs import (
+    DEFAULT_STDERR_TAIL_LINES, TAIL_BYTES_PER_LINE, _check_filters, _check_name, _check_prefixes,
+    _normalize_args, _normalize_envs,
+)
+from torchmp._pcontext import PContext, ResourceUsage, RunProcsResult
+from torchmp._signals import close_despite_interrupts
+from torchmp.errors import ProcessFailure, root_cause
+from torchmp.logs_specs import LogsSpecs
+
+# torch's contexts log as its api module; so do torchmp's.
+logger = logging.getLogger("torchmp.api")
+
+# How long close() waits for a SIGKILLed worker before abandoning it: a worker
+# in uninterruptible sleep (D state, e.g. wedged on a device) cannot be reaped,
+# and the launcher must not hang on it.
+KILL_GRACE_SECONDS = 5.0
+
+
+def _last_lines(data: bytes, lines: int, truncated: bool) -> str:
+    """The last ``lines`` lines of data as text; a first line cut by the
+    byte bound (truncated) is dropped."""
+    if truncated:
+        cut = data.find(b"\n")
+        data = data[cut + 1:] if cut >= 0 else b""
+    text = data.decode("utf-8", errors="replace").replace("\r\n", "\n")
+    kept = text.rstrip("\n").split("\n")[-lines:] if lines else []
+    return "\n".join(line.rsplit("\r", 1)[-1] for line in kept).strip("\n")
+
+
+def _file_tail(path: str, nbytes: int) -> tuple[bytes, bool]:
+    """The last nbytes of a file, and whether there was more before them."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK)
+    except OSError:
+        return b"", False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return b"", False
+        size = os.lseek(fd, 0, os.SEEK_END)
+        start = max(0, size - nbytes)
+        return os.pread(fd, size - start, start), start > 0
+    except OSError:
+        return b"", False
+    finally:
+        os.close(fd)
+
+
+class _NativeContext(PContext):
+    """A PContext whose workers the native I/O thread starts, watches and
+    reaps.  Subclasses only say how each rank is started (``_launch``)."""
+
+    # torchmp extension: a UTC time after the prefix of every teed console line.
+    log_line_timestamps: bool = False
+    # torchmp extension: the console backlog bound per teed stream, bytes
+    # (None: TORCHMP_CONSOLE_BACKLOG, else the default; see _console).
+    console_backlog: int | None = None
+    # How long siblings get after SIGTERM when a rank fails, before SIGKILL
+    # (torch's fixed 30 s by default).
+    fail_fast_timeout: float = 30
+    # torchmp extension: how many of its last stderr lines a failed rank's
+    # report carries (0: none; see stderr_tail_bound).
+    stderr_tail: int = DEFAULT_STDERR_TAIL_LINES
+    # torchmp extension: pass a stderr that is neither teed nor redirected
+    # through the I/O thread too (unprefixed), so failures get its tail.
+    watch_stderr: bool = False
+
+    def __init__(
+        self,
+        name: str,
+        entrypoint: Callable[..., Any] | str,
+        args: dict[int, tuple[Any, ...]],
+        envs: dict[int, dict[str, str]],
+        logs_specs: LogsSpecs,
+        log_line_prefixes: dict[int, str] | None = None,
+        numa_options: Any = None,
+        duplicate_stdout_filters: list[str] | None = None,
+        duplicate_stderr_filters: list[str] | None = None,
+    ) -> None:
+        # Every check runs before reify() creates any directory.
+        name = _check_name(name)
+        if numa_options is not None:
+            raise NotImplementedError("numa_options is not supported by torchmp; pass None")
+        args = _normalize_args(args)
+        envs = _normalize_envs(envs, len(args))
+        log_line_prefixes = _check_prefixes(log_line_prefixes, len(args))
+        duplicate_stdout_filters = _check_filters(duplicate_stdout_filters, "duplicate_stdout_filters")
+        duplicate_stderr_filters = _check_filters(duplicate_stderr_filters, "duplicate_stderr_filters")
+        self._check_entrypoint(entrypoint, args, envs)
+        super().__init__(
+            name, entrypoint, args, envs, logs_specs, log_line_prefixes,
+            duplicate_stdout_filters, duplicate_stderr_filters,
+        )
+        self._group: Any = None
+        self._result: RunProcsResult | None = None
+        self._closed = False
+        # close() from any thread or signal handler, any number at once: one
+        # runs, the others wait for it.  Re-entrant, for a handler that
+        # closes the context while its own thread is inside close().
+        self._close_lock = threading.RLock()
+        self._terminated_by_launcher: set[int] = set()
+        self._abandoned: set[int] = set()
+        # The last snapshot, kept once close() has released the native group.
+        self._final: tuple[int, list[tuple[Any, ...]]] | None = None
+        self._forwarder: _console.Forwarder | None = None
+        # Failed ranks' stderr tails, taken from the native group before it
+        # is released: (bytes, whether the bound cut older bytes).
+        self._tails: dict[int, tuple[bytes, bool]] = {}
+        # The OOM killer's count at start, to name its kills (None: unknown).
+        self._oom_watch: _oom.OomWatch | None = None
+
+    # -- what and how to start (subclass) -----------------------------------
+    @abc.abstractmethod
+    def _check_entrypoint(self, entrypoint: Any, args: dict[int, tuple[Any, ...]],
+                          envs: dict[int, dict[str, str]]) -> None:
+        """Reject an entrypoint or args this context cannot start."""
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    def _launch(self, group: Any, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
+        """Start every rank in ``group``; ``streams[rank]`` is its (stdout,
+        stderr) plan for the native core."""
+        raise NotImplementedError
+
+    def _spawn(self, group: Any, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]],
+               plans: list[_ExecPlan]) -> None:
+        """Exec-launch every rank from the I/O thread.  If rank k cannot be
+        started, ranks < k are killed and reaped and the OSError raised."""
+        specs = [
+            (plan.path, plan.argv, plan.envp, out, err, _CAPTURE if plan.capture_return else _NO_STREAM,
+             plan.payload_fd)
+            for plan, (out, err) in zip(plans, streams)
+        ]
+        try:
+            group.spawn(specs)
+        except _core.SpawnError as e:
+            logger.error("failed to start local rank %s of %s: %s", e.rank, self.name, e)
+            self._close(signal.SIGKILL, timeout=KILL_GRACE_SECONDS)
+            raise e.cause from None
+
+    def _return_values(self, exited_ok: list[int]) -> dict[int, Any]:
+        return dict.fromkeys(range(self.nprocs))
+
+    def _before_release(self, group: Any) -> None:
+        """Last chance to take what the native group holds (return values)."""
+
+    def _clean_exit_problem(self, rank: int) -> str | None:
+        """Why a rank that exited with code 0 still failed, if it did."""
+        return None
+
+    def _lost_status_reason(self, rank: int) -> str:
+        return ("its exit status was lost: another part of this process reaped it "
+                "(a waitpid(-1) or SIGCHLD handler outside torchmp)")
+
+    # -- start ------------------------------------------------------------
+    def _prefix(self, rank: int) -> bytes:
+        if self.log_line_prefixes and rank in self.log_line_prefixes:
+            text = self.log_line_prefixes[rank]
+        else:
+            text = f"[{self.name}{rank}]:"
+        return os.fsencode(text)
+
+    def _stream_spec(self, rank: int, which: int, opened: list[int], consoles: list[Any],
+                     backlog: int) -> tuple[Any, ...]:
+        paths = self.stdouts if which == 0 else self.stderrs
+        tees = self._logs_dest.tee_stdouts if which == 0 else self._logs_dest.tee_stderrs
+        path = paths.get(rank, "")
+        # One byte over the bound: tells whether older bytes were cut.
+        tail = self.stderr_tail * TAIL_BYTES_PER_LINE + 1 if which == 1 and self.stderr_tail else 0
+        console = consoles[which]
+        sink = console.queue if isinstance(console, _console.ObjectConsole) else console
+        if not path:
+            if which == 1 and self.watch_stderr and tail:
+                # Shown as it was (no prefix), but through a pipe: the tail
+                # is kept as it passes.
+                return (_core.STREAM_TEE, -1, sink, b"", False, None, backlog, tail)
+            return (_core.STREAM_INHERIT, -1, -1, None)
+        fd = _open_log(path)
+        opened.append(fd)
+        if rank in tees:
+            return (_core.STREAM_TEE, fd, sink, self._prefix(rank), self.log_line_timestamps,
+                    os.fsencode(os.path.abspath(path)), backlog, tail)
+        return (_core.STREAM_FILE, fd, -1, None)
+
+    # Launcher fds per rank beyond its streams: the pidfd, plus what a
+    # subclass adds (return channel, spawn payload).
+    _fds_per_rank = 1
+
+    def _fds_needed(self) -> int:
+        """The most fds this context holds at once while starting: per stream
+        with a file, the file as opened here and (if teed) the loop's pipe
+        end and its own copy of the file; per rank _fds_per_rank; a few in
+        flight per spawn; some slack."""
+        needed = 16
+        for paths, tees in ((self.stdouts, self._logs_dest.tee_stdouts),
+                            (self.stderrs, self._logs_dest.tee_stderrs)):
+            for rank in range(self.nprocs):
+                if paths.get(rank):
+                    needed += 3 if rank in tees else 1
+        return needed + self._fds_per_rank * self.nprocs
+
+    def _ensure_fd_budget(self) -> None:
+        """Raise the soft RLIMIT_NOFILE if this context needs it, or fail
+        with a clear error before anything starts (a launch that runs out of
+        fds half-way would have to tear down what it started)."""
+        try:
+            import resource
+
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            in_use = len(os.listdir("/proc/self/fd"))
+        except (ImportError, OSError):
+            return
+        needed = in_use + self._fds_needed()
+        if soft == resource.RLIM_INFINITY or needed <= soft:
+            return
+        if hard == resource.RLIM_INFINITY or needed <= hard:
+            new_soft = needed if hard == resource.RLIM_INFINITY else min(hard, max(needed, 2 * soft))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new_soft, hard))
+            logger.info("raised the soft RLIMIT_NOFILE from %s to %s for %s ranks", soft, new_soft, self.nprocs)
+            return
+        raise OSError(
+            errno.EMFILE,
+            f"starting {self.nprocs} ranks needs about {needed} open files but RLIMIT_NOFILE is "
+            f"{soft} (hard {hard}); raise it (ulimit -n) or tee fewer streams")
+
+    def _start(self) -> None:
+        if self._group is not None:
+            raise ValueError("The workers are already started. Most likely start() got called twice.")
+        # Before anything is opened: a closed fd 1 or 2 must not become a log.
+        _console.claim_std_fds()
+        backlog = _console.backlog_bound(self.console_backlog)
+        self._ensure_fd_budget()
+        # The OOM killer's count before any rank runs: a later SIGKILL that
+        # torchmp did not send is checked against it.
+        self._oom_watch = _oom.start_watch()
+        consoles: list[Any] = [-1, -1]
+        if self._logs_dest.tee_stdouts:
+            consoles[0] = _console.console_for(0)
+        if self._logs_dest.tee_stderrs or (self.watch_stderr and self.stderr_tail):
+            consoles[1] = _console.console_for(1)
+        objects = [c for c in consoles if isinstance(c, _console.ObjectConsole)]
+        opened: list[int] = []
+        try:
+            filtered: list[tuple[list[bytes] | None, int]] = []
+            for filters, path in (
+                (self.duplicate_stdout_filters, self._logs_dest.filtered_stdout),
+                (self.duplicate_stderr_filters, self._logs_dest.filtered_stderr),
+            ):
+                if filters:
+                    fd = _open_log(path)
+                    opened.append(fd)
+                    filtered.append(([os.fsencode(f) for f in filters], fd))
+                else:
+                    filtered.append((None, -1))
+            streams = [
+                (self._stream_spec(rank, 0, opened, consoles, backlog),
+                 self._stream_spec(rank, 1, opened, consoles, backlog))
+                for rank in range(self.nprocs)
+            ]
+            if objects:
+                self._forwarder = _console.Forwarder(objects)
+                _console.track(self._forwarder)
+            self._group = _core.Group(self.nprocs, filtered[0][0], filtered[0][1], filtered[1][0], filtered[1][1])
+            _live_contexts.add(self)
+            self._launch(self._group, streams)
+        finally:
+            for fd in opened:
+                os.close(fd)
+
+    # -- observe ----------------------------------------------------------
+    def _snapshot(self) -> tuple[int, list[tuple[Any, ...]]]:
+        if self._final is None:
+            try:
+                return self._group.snapshot()  # type: ignore[no-any-return]
+            except ValueError:
+                pass  # released by a close() in another thread: _final is set
+        assert self._final is not None
+        return self._final
+
+    def pids(self) -> dict[int, int]:
+        if self._group is None:
+            return {}
+        _, ranks = self._snapshot()
+        return {rank: info[1] for rank, info in enumerate(ranks) if info[0] != _core.PROC_UNSTARTED}
+
+    def _decided(self, ranks: list[tuple[Any, ...]]) -> bool:
+        exited = [info for info in ranks if info[0] == _core.PROC_EXITED]
+        return len(exited) == self.nprocs or any(_exitcode(info[2]) != 0 for info in exited)
+
+    def _poll(self) -> RunProcsResult | None:
+        if self._result is not None:
+            return self._result
+        if self._group is None:
+            raise RuntimeError("wait()/poll before start()")
+        _, ranks = self._snapshot()
+        if not self._decided(ranks) and not self._closed:
+            return None
+        return self._finish()
+
+    def _finish(self) -> RunProcsResult:
+        """The result, once decided: close (fail-fast), collect, settle."""
+        # Fail-fast: the first failure terminates the siblings, whose exits
+        # are recorded too but are never the root cause.
+        self.close(timeout=self.fail_fast_timeout)  # type: ignore[arg-type]
+        ranks = self._snapshot()[1] if self._group is not None else []
+        self._result = self._build_result(ranks)
+        # Every line is in the log files now.  The consoles: all of it for
+        # an object console; a live fd console is followed until it caught
+        # up, a stalled one is not waited for.
+        if self._forwarder is not None:
+            self._forwarder.finish()
+        _console.settle(_console.RESULT_STALL)
+        return self._result
+
+    def _build_result(self, ranks: list[tuple[Any, ...]]) -> RunProcsResult:
+        failures: dict[int, ProcessFailure] = {}
+        resources: dict[int, ResourceUsage] = {}
+        exited_ok: list[int] = []
+        for rank, info in enumerate(ranks):
+            (state, pid, status, start_ns, exit_ns, exit_real_ns, utime, stime, maxrss, out_err, err_err,
+             status_lost) = info
+            if state == _core.PROC_RUNNING and rank in self._abandoned:
+                failures[rank] = ProcessFailure(
+                    local_rank=rank, pid=pid, exitcode=-signal.SIGKILL,
+                    error_file=self.error_files.get(rank, ""),
+                    timestamp_ns=time.time_ns(), terminated_by_launcher=True)
+                why = (f"did not exit {KILL_GRACE_SECONDS:.1f}s after SIGKILL and was abandoned "
+                       "(uninterruptible sleep?)")
+                if failures[rank].error_file_data.get("message") in (None, "<NONE>"):
+                    failures[rank].message = why
+                continue
+            if state != _core.PROC_EXITED:
+                continue
+            code = _exitcode(status)
+            resources[rank] = ResourceUsage(
+                pid=pid,
+                exitcode=code,
+                wall_time=(exit_ns - start_ns) / 1e9,
+                user_time=utime / 1e9,
+                system_time=stime / 1e9,
+                max_rss=maxrss * 1024,
+            )
+            for what, e in (("stdout", out_err), ("stderr", err_err)):
+                if e:
+                    logger.error(
+                        "writing the %s log of local rank %s failed (%s); output after that point "
+                        "is missing from the file", what, rank, os.strerror(e))
+            problem = self._clean_exit_problem(rank) if code == 0 else None
+            if problem is not None:
+                failures[rank] = ProcessFailure(
+                    local_rank=rank, pid=pid, exitcode=0, error_file=self.error_files.get(rank, ""),
+                    timestamp_ns=exit_real_ns)
+                if failures[rank].error_file_data.get("message") in (None, "<NONE>"):
+                    failures[rank].message = problem
+            elif code != 0:
+                # A lost status (the forkserver died with its workers) is a
+                # failure of its own, whatever close() sent meanwhile.
+                killed = rank in self._terminated_by_launcher and not status_lost
+                failures[rank] = ProcessFailure(
+                    local_rank=rank,
+                    pid=pid,
+                    exitcode=code,
+                    error_file=self.error_files.get(rank, ""),
+                    timestamp_ns=exit_real_ns,
+                    terminated_by_launcher=killed,
+                    # A rank torchmp killed has nothing to say about the failure.
+                    stderr_tail="" if killed else self._stderr_tail(rank),
+                    cause=None if killed else self._death_cause(pid, code),
+                )
+                if status_lost:
+                    why = self._lost_status_reason(rank)
+                    logger.error("local rank %s (pid %s): %s", rank, pid, why)
+                    if failures[rank].error_file_data.get("message") in (None, "<NONE>"):
+                        failures[rank].message = why
+            else:
+                exited_ok.append(rank)
+        result = RunProcsResult(
+            failures=failures, stdouts=self.stdouts, stderrs=self.stderrs, resources=resources
+        )
+        if failures:
+            first = failures[root_cause(failures)]
+            if first.terminated_by_launcher:
+                logger.info("%s: every failed rank was terminated by the launcher (close())", self.name)
+            else:
+                logger.error(
+                    "failed (exitcode: %s) local_rank: %s (pid: %s) of %s",
+                    first.exitcode, first.local_rank, first.pid, self.entrypoint,
+                )
+        else:
+            result.return_values = self._return_values(exited_ok)
+        return result
+
+    def wait(self, timeout: float = -1, period: float = 1) -> RunProcsResult | None:
+        """Like torch's ``wait`` but event-driven: it returns as soon as the
+        deciding exit is recorded (``period`` is accepted and ignored).  Safe
+        while other threads or a signal handler call ``close()``: a wait
+        woken by a close returns the result."""
+        if timeout == 0 or self._group is None or self._closed:
+            return self._poll()
+        deadline = None if timeout < 0 else time.monotonic() + timeout
+        group = self._group
+        while True:
+            try:
+                # Read before the poll: an exit recorded after it ends the
+                # sleep below at once.
+                version = group.version()
+            except ValueError:  # closed meanwhile
+                return self._poll()
+            result = self._poll()
+            if result is not None:
+                return result
+            if deadline is None:
+                remaining = -1.0
+            else:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+            try:
+                group.wait(remaining, version)
+            except ValueError:
+                pass  # closed by another thread or a handler: _poll has the result
+
+    def _wait_for(self, condition: Callable[[list[tuple[Any, ...]]], bool],
+                  timeout: float | None) -> list[tuple[Any, ...]]:
+        """Wait until condition(per-rank snapshot) holds, up to timeout
+        seconds (None: forever; 0 or less: look once); the last snapshot."""
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        while True:
+            group = self._group
+            if group is None:
+                return []
+            version, ranks = self._snapshot()
+            if condition(ranks) or self._final is not None:
+                return ranks
+            remaining = -1.0 if deadline is None else deadline - time.monotonic()
+            if deadline is not None and remaining <= 0:
+                return ranks
+            try:
+                group.wait(remaining, version)
+            except ValueError:
+                pass  # released by a close(): the final snapshot is next
+
+    # -- terminate ----------------------------------------------------------
+    def _running(self) -> list[int]:
+        _, ranks = self._snapshot()
+        return [r for r, info in enumerate(ranks) if info[0] == _core.PROC_RUNNING]
+
+    # How often close() looks again at groups whose leader has exited but
+    # which still hold other processes (there is no event for a process
+    # group emptying): from 2 ms, doubling, to 50 ms.
+    _GROUP_POLL_FIRST = 0.002
+    _GROUP_POLL_MAX = 0.05
+
+    def _wait_groups(self, group: Any, deadline: float) -> list[int]:
+        """Wait until every rank's process group is empty (leaders exited,
+        and nothing else left in their groups) or the deadline; returns the
+        ranks whose groups are still busy."""
+        nap = self._GROUP_POLL_FIRST
+        while True:
+            version = group.version()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return group.busy()  # type: ignore[no-any-return]
+            if self._running():
+                group.wait(remaining, version)  # leaders first: their exits are events
+                continue
+            busy = group.busy()
+            if not busy:
+                return []
+            group.wait(min(nap, remaining), version)
+            nap = min(nap * 2, self._GROUP_POLL_MAX)
+
+    def _close(self, death_sig: signal.Signals, timeout: float = 30) -> None:
+        with self._close_lock:
+            if self._group is None or self._closed:
+                return
+            try:
+                self._close_group(self._group, death_sig, timeout)
+            except ValueError:
+                # A signal handler on this thread closed the context while
+                # this close waited: the group is down and released.
+                if not self._closed:
+                    raise
+
+    def _close_group(self, group: Any, death_sig: signal.Signals, timeout: float) -> None:
+        # Workers an interrupted launch started but never got to watch.
+        group.adopt_forked()
+        _, ranks = group.snapshot()
+        pids = {rank: info[1] for rank, info in enumerate(ranks) if info[0] != _core.PROC_UNSTARTED}
+        running = [rank for rank, info in enumerate(ranks) if info[0] == _core.PROC_RUNNING]
+        self._terminated_by_launcher |= set(running)
+        # The grace period is the whole group's: a leader that is a shell
+        # (sh -c 'python train.py') exits at once on SIGTERM while its child
+        # is still saving a checkpoint.  Groups whose leader exited stay
+        # signallable: the leader's zombie pins the group id until reap().
+        busy = group.busy()
+        signalled = bool(busy)
+        if busy:
+            for rank in running:
+                logger.warning("Sending process %s closing signal %s", pids.get(rank), death_sig.name)
+            group.killpg(int(death_sig))
+            busy = self._wait_groups(group, time.monotonic() + max(0.0, float(timeout)))
+        if busy:
+            group.killpg(int(signal.SIGKILL))
+            if death_sig != signal.SIGKILL:
+                for rank in busy:
+                    logger.warning(
+                        "Unable to shutdown process %s via %s, forcefully exiting via SIGKILL",
+                        pids.get(rank), death_sig.name)
+            self._wait_groups(group, time.monotonic() + KILL_GRACE_SECONDS)
+            running = self._running()
+            for rank in running:
+                logger.error(
+                    "Process %s (local rank %s) did not exit %.1fs after SIGKILL; abandoning it. "
+                    "It may be in uninterruptible sleep (wedged on a device); the I/O thread "
+                    "reaps it if it ever exits.", pids.get(rank), rank, KILL_GRACE_SECONDS)
+            self._abandoned = set(running)
+        # The last signal: whatever joined a group meanwhile.  Not needed if
+        # every group was found empty to begin with: only a member can add
+        # to a group.  After reap() no group id of this context is signalled
+        # again.
+        if signalled:
+            group.killpg(int(signal.SIGKILL))
+        self._release_foreign(group.reap())
+        group.finish_streams()
+        if self._forwarder is not None:
+            self._forwarder.finish()
+        # Free the native side now (fds included) rather than whenever the
+        # garbage collector gets to this object.
+        self._final = group.snapshot()
+        self._keep_tails(group, self._final[1])
+        self._before_release(group)
+        # Closed before the release: an interrupt landing in between must not
+        # make a retried close() use a released group.
+        self._closed = True
+        _live_contexts.discard(self)
+        group.release()
+
+    def _release_foreign(self, pids: list[int]) -> None:
+        """Workers started by a forkserver: tell it to reap these."""
+
+    def _keep_tails(self, group: Any, ranks: list[tuple[Any, ...]]) -> None:
+        if not self.stderr_tail:
+            return
+        cap = self.stderr_tail * TAIL_BYTES_PER_LINE
+        for rank, info in enumerate(ranks):
+            if info[0] == _core.PROC_EXITED and info[2] != 0:
+                data = group.tail(rank, 1, cap + 1)
+                if data:
+                    self._tails[rank] = (data[-cap:], len(data) > cap)
+
+    def _death_cause(self, pid: int, exitcode: int) -> str | None:
+        """Why a rank died, where the exit status does not say: a SIGKILL
+        torchmp did not send is checked against the OOM killer's count."""
+        if exitcode != -signal.SIGKILL or self._oom_watch is None:
+            return None
+        return self._oom_watch.explain(pid)
+
+    def _stderr_tail(self, rank: int) -> str:
+        """The last stderr lines of a failed rank: as the I/O thread kept
+        them, or read from the end of its redirect file."""
+        if not self.stderr_tail:
+            return ""
+        data, truncated = self._tails.get(rank, (b"", False))
+        path = self.stderrs.get(rank, "")
+        if not data and path and rank not in self._logs_dest.tee_stderrs:
+            data, truncated = _file_tail(path, self.stderr_tail * TAIL_BYTES_PER_LINE)
+        return _last_lines(data, self.stderr_tail, truncated)
+
+    def _stream_done(self, rank: int, which: int) -> bool:
+        if self._group is None:
+            return False
+        if self._final is not None:
+            return True  # close() drained every stream before the release
+        try:
+            return not self._group.stream_state()[rank][which]
+        except ValueError:
+            return self._final is not None
+
+    def output_ages(self) -> dict[int, float | None]:
+        """Seconds since each rank last wrote to stdout or stderr, as far as
+        torchmp can see: teed streams as the bytes pass, redirected ones by
+        their log file's modification time; None where it cannot tell (a
+        stream written straight to the launcher's terminal) or before the
+        first byte."""
+        if self._group is None or self._final is not None:
+            return {}
+        try:
+            state = self._group.stream_state()
+        except ValueError:
+            return {}
+        now_mono = time.monotonic_ns()
+        now_real = time.time()
+        ages: dict[int, float | None] = {}
+        for rank, (_out_open, _err_open, out_ns, err_ns) in enumerate(state):
+            age: float | None = None
+            last = max(out_ns, err_ns)
+            if last:
+                age = (now_mono - last) / 1e9
+            for paths, tees in ((self.stdouts, self._logs_dest.tee_stdouts),
+                                (self.stderrs, self._logs_dest.tee_stderrs)):
+                path = paths.get(rank, "")
+                if path and rank not in tees:
+                    try:
+                        st = os.stat(path)
+                    except OSError:
+                        continue
+                    file_age = max(0.0, now_real - st.st_mtime)
+                    if st.st_size and (age is None or file_age < age):
+                        age = file_age
+            ages[rank] = age
+        return ages
+
+
+# Contexts started and not closed yet: closed the normal way (death signal,
+# grace period, SIGKILL) if the launcher exits without closing them.  Strong
+# references: a context the program dropped still has workers to stop.
+_live_contexts: set[_NativeContext] = set()
+
+# The grace period those contexts get at exit, as close()'s default.
+EXIT_CLOSE_TIMEOUT = 30.0
+
+
+def _close_live_contexts_at_exit() -> None:
+    for ctx in list(_live_contexts):
+        try:
+            close_despite_interrupts(ctx, signal.SIGTERM, EXIT_CLOSE_TIMEOUT)
+        except Exception as e:  # pragma: no cover - keep closing the others
+            logger.error("closing %s at exit failed: %r", ctx.name, e)
+
+
+atexit.register(_close_live_contexts_at_exit)
+
+
+class SubprocessContext(_NativeContext):
+    """``PContext`` holding worker processes invoked as a binary."""
+
+    def __init__(
+        self,
+        name: str,
+        entrypoint: str,
+        args: dict[int, tuple[Any, ...]],
+        envs: dict[int, dict[str, str]],
+        logs_specs: LogsSpecs,
+        log_line_prefixes: dict[int, str] | None = None,
+        numa_options: Any = None,
+        duplicate_stdout_filters: list[str] | None = None,
+        duplicate_stderr_filters: list[str] | None = None,
+    ) -> None:
+        super().__init__(
+            name, entrypoint, args, envs, logs_specs, log_line_prefixes, numa_options,
+            duplicate_stdout_filters, duplicate_stderr_filters,
+        )
+
+    def _check_entrypoint(self, entrypoint: Any, args: dict[int, tuple[Any, ...]],
+                          envs: dict[int, dict[str, str]]) -> None:
+        if not isinstance(entrypoint, str):
+            raise TypeError(f"SubprocessContext needs a str entrypoint, got {type(entrypoint).__name__}")
+        # Resolve now, so a missing binary fails before any directory exists;
+        # once per distinct PATH, not once per rank.
+        resolved: dict[str | None, bytes] = {}
+        self._paths: dict[int, bytes] = {}
+        for rank in range(len(args)):
+            path_var = envs[rank].get("PATH")
+            key = None if path_var is None else str(path_var)
+            if key not in resolved:
+                resolved[key] = resolve_executable(entrypoint, envs[rank])
+            self._paths[rank] = resolved[key]
+        for rank, argv in args.items():
+            for a in argv:
+                has_nul = b"\0" in a if isinstance(a, bytes) else "\0" in str(a)
+                if has_nul:
+                    raise ValueError(f"args[{rank}]: argument {a!r} contains a NUL byte")
+
+    def _launch(self, group: Any, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
+        plans = []
+        environ = _launcher_environ()
+        for rank in range(self.nprocs):
+            argv = [os.fsencode(self.entrypoint)]  # type: ignore[arg-type]
+            argv += [a if isinstance(a, bytes) else os.fsencode(str(a)) for a in self.args[rank]]
+            plans.append(_ExecPlan(self._paths[rank], argv, _exec_env(rank, self.envs[rank], environ)))
+        self._spawn(group, streams, plans)
