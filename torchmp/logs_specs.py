@@ -4,14 +4,14 @@ This module is pure Python and has no side effects at import. It holds the
 stream-selection flag :class:`Std`, the value object :class:`LogsDest`, the
 abstract :class:`LogsSpecs` and two concrete layouts:
 
-========================  ==========================================================
-class                     layout produced by ``reify(envs)``
-========================  ==========================================================
-:class:`DefaultLogsSpecs` ``{log_dir}/{run_id}_<random>/attempt_{restart}/{rank}/``
-                          (the torch 2.x layout, used by ``torchrun``)
-:class:`LegacyLogsSpecs`  ``{log_dir}/{rank}/`` (the torch 1.9 ``start_processes``
-                          form that takes ``log_dir, redirects, tee``)
-========================  ==========================================================
+=========================  ==========================================================
+class                      layout produced by ``reify(envs)``
+=========================  ==========================================================
+:class:`DefaultLogsSpecs`  ``{log_dir}/{run_id}_<random>/attempt_{restart}/{rank}/``
+                           (the torch 2.x layout, used by ``torchrun``)
+:class:`LegacyLogsSpecs`   ``{log_dir}/{rank}/`` (the torch 1.9 ``start_processes``
+                           form that takes ``log_dir, redirects, tee``)
+=========================  ==========================================================
 
 Each rank directory may hold ``stdout.log``, ``stderr.log`` and ``error.json``;
 ``reify`` stores the error file's path in ``envs[rank]["TORCHELASTIC_ERROR_FILE"]``.
@@ -336,13 +336,13 @@ class LogsDest:
 class LogsSpecs(ABC):
     """How the streams of each worker are redirected, teed and filtered.
 
-    Args:
-        log_dir: base directory for the logs.
-        redirects: streams written to files; one ``Std`` for all ranks or a
-            ``{local_rank: Std}`` mapping.
-        tee: streams written to files *and* copied to the console (same forms).
-        local_ranks_filter: if non-empty, only these ranks' output reaches the
-            console.
+    :param log_dir: base directory for the logs.
+    :param redirects: streams written to files; one ``Std`` for all ranks or
+        a ``{local_rank: Std}`` mapping.
+    :param tee: streams written to files *and* copied to the console (same
+        forms).
+    :param local_ranks_filter: if non-empty, only these ranks' output reaches
+        the console.
 
     The base class stores its arguments as given, like torch's, so that
     third-party subclasses behave the same with either library. Subclasses
