@@ -798,12 +798,7 @@ cdef class Group:
         return torchmp_group_snapshot(self.g, NULL, 0)
 
     def snapshot(self):
-        """(version, [per-rank tuples]) taken atomically from the I/O thread.
-
-        Tuple: (state, pid, wait_status, start_mono_ns, exit_mono_ns,
-        exit_real_ns, utime_ns, stime_ns, maxrss_kb, out_log_errno,
-        err_log_errno, status_lost).
-        """
+        """(version, [ProcInfo per rank]) taken atomically from the I/O thread."""
         cdef torchmp_proc_info *info
         cdef uint64_t version
         cdef int i
@@ -814,11 +809,13 @@ cdef class Group:
             raise MemoryError()
         try:
             version = torchmp_group_snapshot(self.g, info, self.nprocs)
+            make = tuple.__new__
+            cls = ProcInfo
             ranks = [
-                (info[i].state, info[i].pid, info[i].wait_status, info[i].start_mono_ns,
-                 info[i].exit_mono_ns, info[i].exit_real_ns, info[i].utime_ns,
-                 info[i].stime_ns, info[i].maxrss_kb, info[i].out_log_errno,
-                 info[i].err_log_errno, info[i].status_lost)
+                make(cls, (info[i].state, info[i].pid, info[i].wait_status, info[i].start_mono_ns,
+                      info[i].exit_mono_ns, info[i].exit_real_ns, info[i].utime_ns,
+                      info[i].stime_ns, info[i].maxrss_kb, info[i].out_log_errno,
+                      info[i].err_log_errno, bool(info[i].status_lost)))
                 for i in range(self.nprocs)
             ]
         finally:
@@ -950,6 +947,27 @@ cdef class Group:
 
 DEFAULT_CONSOLE_BACKLOG = 4 * 1024 * 1024
 
+
+
+# What Group.snapshot() says of one rank: a named tuple, so it reads by name
+# (info.pid) and still unpacks and indexes like the tuple it was.  Built with
+# tuple.__new__ (no Python-level __new__ per rank).
+import collections as _collections
+ProcInfo = _collections.namedtuple("ProcInfo", [
+    "state",          # PROC_UNSTARTED, PROC_RUNNING or PROC_EXITED
+    "pid",            # the worker's pid (0 before it started)
+    "wait_status",    # the raw wait status once exited
+    "start_mono_ns",  # CLOCK_MONOTONIC at start
+    "exit_mono_ns",   # CLOCK_MONOTONIC when the exit was recorded
+    "exit_real_ns",   # CLOCK_REALTIME when the exit was recorded
+    "utime_ns",       # user CPU time
+    "stime_ns",       # system CPU time
+    "maxrss_kb",      # peak resident set, KiB
+    "out_log_errno",  # first error writing the stdout log, 0 if none
+    "err_log_errno",  # first error writing the stderr log, 0 if none
+    "status_lost",    # another process reaped it, or its forkserver died
+])
+ProcInfo.__module__ = __name__
 
 cdef class QueueConsole:
     """A console whose framed lines are taken by Python (for a sys.stdout /

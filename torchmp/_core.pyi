@@ -5,7 +5,7 @@ name here exists in the module with the same parameters, and every public
 name of the module is declared here.
 """
 
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 __version__: Final[str]
 PORTABLE_BUILD: Final[bool]
@@ -29,9 +29,21 @@ STEP_EXEC: Final[int]
 _StreamSpec = tuple[Any, ...]
 # (path, argv, envp, out, err, ret, payload_fd): one rank of Group.spawn.
 _RankSpec = tuple[bytes, list[bytes], list[bytes], _StreamSpec, _StreamSpec, _StreamSpec, int]
-# (state, pid, wait_status, start_mono_ns, exit_mono_ns, exit_real_ns,
-#  utime_ns, stime_ns, maxrss_kb, out_log_errno, err_log_errno, status_lost)
-_ProcInfo = tuple[int, int, int, int, int, int, int, int, int, int, int, int]
+class ProcInfo(NamedTuple):
+    """One rank as Group.snapshot() saw it."""
+
+    state: int
+    pid: int
+    wait_status: int
+    start_mono_ns: int
+    exit_mono_ns: int
+    exit_real_ns: int
+    utime_ns: int
+    stime_ns: int
+    maxrss_kb: int
+    out_log_errno: int
+    err_log_errno: int
+    status_lost: bool
 
 def redirect_fd(std_fd: int, target_fd: int) -> int: ...
 def restore_fd(std_fd: int, saved_fd: int) -> None: ...
@@ -96,7 +108,7 @@ class Group:
     def drop_unstarted(self) -> None: ...
     def take_return(self, rank: int) -> CaptureBuffer | bytes: ...
     def version(self) -> int: ...
-    def snapshot(self) -> tuple[int, list[_ProcInfo]]: ...
+    def snapshot(self) -> tuple[int, list[ProcInfo]]: ...
     def stream_state(self) -> list[tuple[bool, bool, int, int]]: ...
     def tail(self, rank: int, which: int = ..., limit: int = ...) -> bytes: ...
     def wait(self, timeout: float, known_version: int) -> bool: ...

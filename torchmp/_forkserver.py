@@ -82,7 +82,7 @@ class ForkServer:
         if self._group is None or self._sock is None:
             return False
         _, ranks = self._group.snapshot()
-        if ranks[0][0] != _core.PROC_RUNNING:
+        if ranks[0].state != _core.PROC_RUNNING:
             return False
         # The I/O thread may not have seen a fresh death yet; the socket
         # knows at once (an idle server never writes: readable means EOF).
@@ -130,7 +130,7 @@ class ForkServer:
             deadline = time.monotonic() + 5
             while time.monotonic() < deadline:
                 version, ranks = group.snapshot()
-                if ranks[0][0] != _core.PROC_RUNNING:
+                if ranks[0].state != _core.PROC_RUNNING:
                     break
                 group.wait(deadline - time.monotonic(), version)
             group.finish_streams()
@@ -178,7 +178,7 @@ class ForkServer:
                 pass  # gone: its zombies went with it
 
     # -- launching ----------------------------------------------------------
-    def launch(self, ctx: Any, group: Any, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
+    def launch(self, ctx: Any, group: _core.Group, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
         with self._lock:
             if not self._alive():
                 self._start()

@@ -125,24 +125,24 @@ class WorkerView:
         self._context = context
         self.rank = rank
 
-    def _info(self) -> tuple[Any, ...]:
+    def _info(self) -> _core.ProcInfo:
         return self._context._snapshot()[1][self.rank]
 
     @property
     def pid(self) -> int | None:
         info = self._info()
-        return None if info[0] == _core.PROC_UNSTARTED else int(info[1])
+        return None if info.state == _core.PROC_UNSTARTED else info.pid
 
     @property
     def exitcode(self) -> int | None:
         info = self._info()
-        return _exitcode(info[2]) if info[0] == _core.PROC_EXITED else None
+        return _exitcode(info.wait_status) if info.state == _core.PROC_EXITED else None
 
     def is_alive(self) -> bool:
         return bool(self._info()[0] == _core.PROC_RUNNING)
 
     def join(self, timeout: float | None = None) -> None:
-        self._context._wait_for(lambda ranks: ranks[self.rank][0] != _core.PROC_RUNNING, timeout)
+        self._context._wait_for(lambda ranks: ranks[self.rank].state != _core.PROC_RUNNING, timeout)
 
 
 class WorkersView:
@@ -167,28 +167,28 @@ class WorkersView:
         ranks = ctx._wait_for(_any_change_after(ctx), timeout)
         # errors.root_cause_order, on the raw snapshot: never a rank torchmp
         # terminated, then the earliest exit.
-        failed = [(rank in ctx._terminated_by_launcher, info[5], rank, info)
+        failed = [(rank in ctx._terminated_by_launcher, info.exit_real_ns, rank, info)
                   for rank, info in enumerate(ranks)
-                  if info[0] == _core.PROC_EXITED and info[2] != 0]
+                  if info.state == _core.PROC_EXITED and info.wait_status != 0]
         if failed:
             _, _, rank, info = min(failed)
-            code = _exitcode(info[2])
+            code = _exitcode(info.wait_status)
             name = signal.Signals(-code).name if code < 0 and -code in _SIGNAL_NUMBERS else None
             what = f"signal {name}" if name else f"exit code {code}"
-            raise ProcessExitedException(f"process {rank} terminated with {what}", rank, int(info[1]), code, name)
-        return all(info[0] == _core.PROC_EXITED for info in ranks)
+            raise ProcessExitedException(f"process {rank} terminated with {what}", rank, info.pid, code, name)
+        return all(info.state == _core.PROC_EXITED for info in ranks)
 
 
 _SIGNAL_NUMBERS = {int(s) for s in signal.Signals}
 
 
-def _any_change_after(ctx: MultiprocessContext) -> Callable[[list[tuple[Any, ...]]], bool]:
+def _any_change_after(ctx: MultiprocessContext) -> Callable[[list[_core.ProcInfo]], bool]:
     """A condition true once a worker exits (or every worker has): the
     'blocks until a process exits' of torch's join()."""
-    first = [info[0] for info in ctx._snapshot()[1]] if ctx._group is not None else []
+    first = [info.state for info in ctx._snapshot()[1]] if ctx._group is not None else []
 
-    def changed(ranks: list[tuple[Any, ...]]) -> bool:
-        states = [info[0] for info in ranks]
+    def changed(ranks: list[_core.ProcInfo]) -> bool:
+        states = [info.state for info in ranks]
         return states != first or all(s != _core.PROC_RUNNING for s in states)
 
     return changed
@@ -240,7 +240,7 @@ class MultiprocessContext(_NativeContext):
         _check_picklable(self.start_method, entrypoint, args)
 
     # -- launching ------------------------------------------------------------
-    def _launch(self, group: Any, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
+    def _launch(self, group: _core.Group, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
         if self.start_method != "fork" and "__main__" in sys.modules:
             # Workers re-import the main module as __mp_main__, so objects of
             # its classes come back pickled under that name (multiprocessing
@@ -255,7 +255,7 @@ class MultiprocessContext(_NativeContext):
 
             get_forkserver().launch(self, group, streams)
 
-    def _launch_spawn(self, group: Any, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
+    def _launch_spawn(self, group: _core.Group, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
         prep = _worker.preparation_data()
         argv = _worker.interpreter_argv("torchmp._worker", "spawn_main")
         path = os.fsencode(sys.executable)
@@ -274,7 +274,7 @@ class MultiprocessContext(_NativeContext):
             for fd in payload_fds:
                 os.close(fd)
 
-    def _launch_fork(self, group: Any, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
+    def _launch_fork(self, group: _core.Group, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
         # Python-level buffers would otherwise be written twice (parent and child).
         for stream in (sys.stdout, sys.stderr):
             try:
@@ -332,7 +332,7 @@ class MultiprocessContext(_NativeContext):
             sys.unraisablehook = previous_hook
         group.drop_unstarted()
 
-    def _abort_launch(self, group: Any) -> None:
+    def _abort_launch(self, group: _core.Group) -> None:
         """A launch failed half-way: drop the ranks never started and tear
         down every one that was (close() first adopts any forked worker not
         watched yet)."""
@@ -350,7 +350,7 @@ class MultiprocessContext(_NativeContext):
         """Every worker exited with code 0 (torch: every return value came)."""
         if self._group is None:
             return False
-        return all(info[0] == _core.PROC_EXITED and info[2] == 0 for info in self._snapshot()[1])
+        return all(info.state == _core.PROC_EXITED and info.wait_status == 0 for info in self._snapshot()[1])
 
     def _poll(self) -> RunProcsResult | None:
         # torch's shape, over _pc: a failed worker makes join() raise; once
@@ -387,7 +387,7 @@ class MultiprocessContext(_NativeContext):
             stdouts=self.stdouts, stderrs=self.stderrs)
         return self._result
 
-    def _build_result(self, ranks: list[tuple[Any, ...]]) -> RunProcsResult:
+    def _build_result(self, ranks: list[_core.ProcInfo]) -> RunProcsResult:
         # torch's function contexts report the ranks that failed by
         # themselves, not the siblings torchmp then terminated (its binary
         # contexts do list those, and so do torchmp's).  If torchmp killed
@@ -417,7 +417,7 @@ class MultiprocessContext(_NativeContext):
             self._return_blobs.pop(rank, None)
         return self._return_values_cache[rank]
 
-    def _before_release(self, group: Any) -> None:
+    def _before_release(self, group: _core.Group) -> None:
         # close() releases the native group: keep the return values.
         for rank in range(self.nprocs):
             if rank not in self._return_blobs:

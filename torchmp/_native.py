@@ -110,7 +110,7 @@ class _NativeContext(PContext):
             name, entrypoint, args, envs, logs_specs, log_line_prefixes,
             duplicate_stdout_filters, duplicate_stderr_filters,
         )
-        self._group: Any = None
+        self._group: _core.Group | None = None
         self._result: RunProcsResult | None = None
         self._closed = False
         # close() from any thread or signal handler, any number at once: one
@@ -120,7 +120,7 @@ class _NativeContext(PContext):
         self._terminated_by_launcher: set[int] = set()
         self._abandoned: set[int] = set()
         # The last snapshot, kept once close() has released the native group.
-        self._final: tuple[int, list[tuple[Any, ...]]] | None = None
+        self._final: tuple[int, list[_core.ProcInfo]] | None = None
         self._forwarder: _console.Forwarder | None = None
         # Failed ranks' stderr tails, taken from the native group before it
         # is released: (bytes, whether the bound cut older bytes).
@@ -136,12 +136,12 @@ class _NativeContext(PContext):
         raise NotImplementedError
 
     @abc.abstractmethod
-    def _launch(self, group: Any, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
+    def _launch(self, group: _core.Group, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
         """Start every rank in ``group``; ``streams[rank]`` is its (stdout,
         stderr) plan for the native core."""
         raise NotImplementedError
 
-    def _spawn(self, group: Any, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]],
+    def _spawn(self, group: _core.Group, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]],
                plans: list[_ExecPlan]) -> None:
         """Exec-launch every rank from the I/O thread.  If rank k cannot be
         started, ranks < k are killed and reaped and the OSError raised."""
@@ -160,7 +160,7 @@ class _NativeContext(PContext):
     def _return_values(self, exited_ok: list[int]) -> dict[int, Any]:
         return dict.fromkeys(range(self.nprocs))
 
-    def _before_release(self, group: Any) -> None:
+    def _before_release(self, group: _core.Group) -> None:
         """Last chance to take what the native group holds (return values)."""
 
     def _clean_exit_problem(self, rank: int) -> str | None:
@@ -287,10 +287,11 @@ class _NativeContext(PContext):
                 os.close(fd)
 
     # -- observe ----------------------------------------------------------
-    def _snapshot(self) -> tuple[int, list[tuple[Any, ...]]]:
-        if self._final is None:
+    def _snapshot(self) -> tuple[int, list[_core.ProcInfo]]:
+        group = self._group
+        if self._final is None and group is not None:
             try:
-                return self._group.snapshot()  # type: ignore[no-any-return]
+                return group.snapshot()
             except ValueError:
                 pass  # released by a close() in another thread: _final is set
         assert self._final is not None
@@ -300,11 +301,11 @@ class _NativeContext(PContext):
         if self._group is None:
             return {}
         _, ranks = self._snapshot()
-        return {rank: info[1] for rank, info in enumerate(ranks) if info[0] != _core.PROC_UNSTARTED}
+        return {rank: info.pid for rank, info in enumerate(ranks) if info.state != _core.PROC_UNSTARTED}
 
-    def _decided(self, ranks: list[tuple[Any, ...]]) -> bool:
-        exited = [info for info in ranks if info[0] == _core.PROC_EXITED]
-        return len(exited) == self.nprocs or any(_exitcode(info[2]) != 0 for info in exited)
+    def _decided(self, ranks: list[_core.ProcInfo]) -> bool:
+        exited = [info for info in ranks if info.state == _core.PROC_EXITED]
+        return len(exited) == self.nprocs or any(_exitcode(info.wait_status) != 0 for info in exited)
 
     def _poll(self) -> RunProcsResult | None:
         if self._result is not None:
@@ -331,7 +332,7 @@ class _NativeContext(PContext):
         _console.settle(_console.RESULT_STALL)
         return self._result
 
-    def _build_result(self, ranks: list[tuple[Any, ...]]) -> RunProcsResult:
+    def _build_result(self, ranks: list[_core.ProcInfo]) -> RunProcsResult:
         failures: dict[int, ProcessFailure] = {}
         resources: dict[int, ResourceUsage] = {}
         exited_ok: list[int] = []
@@ -439,8 +440,8 @@ class _NativeContext(PContext):
             except ValueError:
                 pass  # closed by another thread or a handler: _poll has the result
 
-    def _wait_for(self, condition: Callable[[list[tuple[Any, ...]]], bool],
-                  timeout: float | None) -> list[tuple[Any, ...]]:
+    def _wait_for(self, condition: Callable[[list[_core.ProcInfo]], bool],
+                  timeout: float | None) -> list[_core.ProcInfo]:
         """Wait until condition(per-rank snapshot) holds, up to timeout
         seconds (None: forever; 0 or less: look once); the last snapshot."""
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
@@ -462,7 +463,7 @@ class _NativeContext(PContext):
     # -- terminate ----------------------------------------------------------
     def _running(self) -> list[int]:
         _, ranks = self._snapshot()
-        return [r for r, info in enumerate(ranks) if info[0] == _core.PROC_RUNNING]
+        return [r for r, info in enumerate(ranks) if info.state == _core.PROC_RUNNING]
 
     # How often close() looks again at groups whose leader has exited but
     # which still hold other processes (there is no event for a process
@@ -470,7 +471,7 @@ class _NativeContext(PContext):
     _GROUP_POLL_FIRST = 0.002
     _GROUP_POLL_MAX = 0.05
 
-    def _wait_groups(self, group: Any, deadline: float) -> list[int]:
+    def _wait_groups(self, group: _core.Group, deadline: float) -> list[int]:
         """Wait until every rank's process group is empty (leaders exited,
         and nothing else left in their groups) or the deadline; returns the
         ranks whose groups are still busy."""
@@ -479,7 +480,7 @@ class _NativeContext(PContext):
             version = group.version()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return group.busy()  # type: ignore[no-any-return]
+                return group.busy()
             if self._running():
                 group.wait(remaining, version)  # leaders first: their exits are events
                 continue
@@ -501,12 +502,12 @@ class _NativeContext(PContext):
                 if not self._closed:
                     raise
 
-    def _close_group(self, group: Any, death_sig: signal.Signals, timeout: float) -> None:
+    def _close_group(self, group: _core.Group, death_sig: signal.Signals, timeout: float) -> None:
         # Workers an interrupted launch started but never got to watch.
         group.adopt_forked()
         _, ranks = group.snapshot()
-        pids = {rank: info[1] for rank, info in enumerate(ranks) if info[0] != _core.PROC_UNSTARTED}
-        running = [rank for rank, info in enumerate(ranks) if info[0] == _core.PROC_RUNNING]
+        pids = {rank: info.pid for rank, info in enumerate(ranks) if info.state != _core.PROC_UNSTARTED}
+        running = [rank for rank, info in enumerate(ranks) if info.state == _core.PROC_RUNNING]
         self._terminated_by_launcher |= set(running)
         # The grace period is the whole group's: a leader that is a shell
         # (sh -c 'python train.py') exits at once on SIGTERM while its child
@@ -558,12 +559,12 @@ class _NativeContext(PContext):
     def _release_foreign(self, pids: list[int]) -> None:
         """Workers started by a forkserver: tell it to reap these."""
 
-    def _keep_tails(self, group: Any, ranks: list[tuple[Any, ...]]) -> None:
+    def _keep_tails(self, group: _core.Group, ranks: list[_core.ProcInfo]) -> None:
         if not self.stderr_tail:
             return
         cap = self.stderr_tail * TAIL_BYTES_PER_LINE
         for rank, info in enumerate(ranks):
-            if info[0] == _core.PROC_EXITED and info[2] != 0:
+            if info.state == _core.PROC_EXITED and info.wait_status != 0:
                 data = group.tail(rank, 1, cap + 1)
                 if data:
                     self._tails[rank] = (data[-cap:], len(data) > cap)
@@ -691,7 +692,7 @@ class SubprocessContext(_NativeContext):
                 if has_nul:
                     raise ValueError(f"args[{rank}]: argument {a!r} contains a NUL byte")
 
-    def _launch(self, group: Any, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
+    def _launch(self, group: _core.Group, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
         plans = []
         environ = _launcher_environ()
         for rank in range(self.nprocs):
