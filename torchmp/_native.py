@@ -394,6 +394,9 @@ class _NativeContext(PContext):
                         failures[rank].message = why
             else:
                 exited_ok.append(rank)
+        # torch's order: the ranks that failed by themselves, then those the
+        # launcher terminated, each by rank.
+        failures = dict(sorted(failures.items(), key=lambda kv: (kv[1].terminated_by_launcher, kv[0])))
         result = RunProcsResult(
             failures=failures, stdouts=self.stdouts, stderrs=self.stderrs, resources=resources
         )
