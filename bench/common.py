@@ -24,8 +24,9 @@ import tempfile
 import time
 import traceback
 import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TAG_VAR = "BENCH_TAG"
@@ -134,7 +135,7 @@ def interleave(
     dead: set[str] = set()
     quick: dict[str, bool] = {}
     rounds = [(True, r) for r in range(warmup)] + [(False, r) for r in range(reps)]
-    for n, (is_warm, r) in enumerate(rounds):
+    for n, (is_warm, _r) in enumerate(rounds):
         order = impls if n % 2 == 0 else impls[::-1]
         for impl in order:
             if impl in dead:

@@ -30,8 +30,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 OUT, ERR = 1, 2
 ALL_IMPLS = ["torchmp", "stdlib", "floor", "torch", "torch-p01"]

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from bench.common import Result
 
@@ -326,7 +327,7 @@ def chart(path: str, results: dict[str, Result], impls: list[str], subtitle: str
     fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.6 * rows), squeeze=False)
     for ax in axes.flat[len(panels):]:
         ax.axis("off")
-    for ax, (res, keys, title, logy) in zip(axes.flat, panels):
+    for ax, (res, keys, title, logy) in zip(axes.flat, panels, strict=False):  # spare axes are hidden above
         group = [i for i in impls if any(res.metrics[k].reduce(i) is not None for k in keys)]
         width = 0.8 / max(1, len(group))
         for j, impl in enumerate(group):
@@ -338,7 +339,7 @@ def chart(path: str, results: dict[str, Result], impls: list[str], subtitle: str
                     ys.append(max(v, 1e-3) if logy else v)
                     vs.append(v)
             bars = ax.bar(xs, ys, width, label=impl, color=COLORS.get(impl))
-            for b, y, v in zip(bars, ys, vs):
+            for b, y, v in zip(bars, ys, vs, strict=True):
                 ax.annotate(fnum(v), (b.get_x() + b.get_width() / 2, y), ha="center", va="bottom",
                             fontsize=6, rotation=90 if len(keys) * len(group) > 8 else 0)
         ax.set_xticks(range(len(keys)))

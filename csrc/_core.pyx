@@ -813,9 +813,9 @@ cdef class Group:
             cls = ProcInfo
             ranks = [
                 make(cls, (info[i].state, info[i].pid, info[i].wait_status, info[i].start_mono_ns,
-                      info[i].exit_mono_ns, info[i].exit_real_ns, info[i].utime_ns,
-                      info[i].stime_ns, info[i].maxrss_kb, info[i].out_log_errno,
-                      info[i].err_log_errno, bool(info[i].status_lost)))
+                           info[i].exit_mono_ns, info[i].exit_real_ns, info[i].utime_ns,
+                           info[i].stime_ns, info[i].maxrss_kb, info[i].out_log_errno,
+                           info[i].err_log_errno, bool(info[i].status_lost)))
                 for i in range(self.nprocs)
             ]
         finally:
@@ -946,7 +946,6 @@ cdef class Group:
 
 
 DEFAULT_CONSOLE_BACKLOG = 4 * 1024 * 1024
-
 
 
 # What Group.snapshot() says of one rank: a named tuple, so it reads by name

@@ -20,7 +20,6 @@ import time
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
 
 import torchmp
@@ -158,7 +157,7 @@ def test_success_env_output_files_and_summary(run, tmp_path):
     attempt = log_dir_of(err)
     assert attempt.parent.parent == tmp_path and attempt.name == "attempt_0"
     assert attempt.parent.name.startswith("sh_")
-    assert sorted(l for l in err_lines if l.startswith("[")) == [f"[sh{r}]:to stderr {r}" for r in range(3)]
+    assert sorted(ln for ln in err_lines if ln.startswith("[")) == [f"[sh{r}]:to stderr {r}" for r in range(3)]
     for rank in range(3):
         assert (attempt / str(rank) / "stdout.log").read_text() == lines[rank].split(":", 1)[1] + "\n"
         assert (attempt / str(rank) / "stderr.log").read_text() == f"to stderr {rank}\n"
@@ -286,7 +285,7 @@ def test_local_ranks_filter(run, tmp_path):
                          "sh", "-c", 'echo "out $RANK"; echo "err $RANK" >&2')
     assert code == 0, err
     assert sorted(out.splitlines()) == ["[sh0]:out 0", "[sh2]:out 2"]
-    assert sorted(l for l in err.splitlines() if l.startswith("[")) == ["[sh0]:err 0", "[sh2]:err 2"]
+    assert sorted(ln for ln in err.splitlines() if ln.startswith("[")) == ["[sh0]:err 0", "[sh2]:err 2"]
     for r in range(3):  # the files are complete for every rank
         assert (log_dir_of(err) / str(r) / "stdout.log").read_text() == f"out {r}\n"
 

@@ -175,7 +175,7 @@ def test_crlf_lines_are_unchanged():
 def test_timestamps_on_partial_and_progress_lines():
     out = contents(frame([b"Loading", 0.2, b"\r5%", 0.2, b"\r6%\n"], timestamps=True))
     assert len(out) == 3
-    for line, text in zip(out, (b"Loading", b"5%", b"6%")):
+    for line, text in zip(out, (b"Loading", b"5%", b"6%"), strict=True):
         assert re.fullmatch(rb"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z " + re.escape(text), line), line
 
 

@@ -255,8 +255,8 @@ def _popen_cli(tmp, flags, log_dir, nranks, lines, env, *, stdout, stderr) -> su
     """``python -m torchmp run --tee 3 -n N -- python -c WORKER ...``: rank
     from LOCAL_RANK (the worker script reads it from argv, so a shell
     wrapper passes it)."""
-    code = ("import os, sys; sys.argv = ['w', os.environ['LOCAL_RANK'], %r, 'out', 'ok', %r, '0']; "
-            "exec(compile(%r, 'worker', 'exec'))" % (str(lines), str(flags), WORKER))
+    code = (f"import os, sys; sys.argv = ['w', os.environ['LOCAL_RANK'], {str(lines)!r}, 'out', 'ok', "
+            f"{str(flags)!r}, '0']; exec(compile({WORKER!r}, 'worker', 'exec'))")
     full_env = dict(os.environ)
     origin = str(Path(torchmp.__file__).resolve().parent.parent)
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in (origin, full_env.get("PYTHONPATH")) if p)
@@ -335,7 +335,7 @@ def check_console(console: Console, logs: dict, written: dict, episodes: int = 1
         dropped_by_rank[rank] = dropped_by_rank.get(rank, 0) + count
     for key, total in written.items():
         nums = console.shown.get(key, [])
-        assert all(a < b for a, b in zip(nums, nums[1:])), f"{key}: lines repeated or out of order"
+        assert all(a < b for a, b in zip(nums, nums[1:], strict=False)), f"{key}: lines repeated or out of order"
         assert all(0 <= i < total for i in nums)
     for rank in {k[0] for k in written}:
         keys = [k for k in written if k[0] == rank]

@@ -503,11 +503,16 @@ class TestMalformedErrorFile:
         [
             (b"", "is not valid JSON: Expecting value: line 1 column 1 (char 0)"),
             (b'{"message": ', "is not valid JSON: Expecting value: line 1 column 13 (char 12)"),
-            (b'{"message": "\xff\xfe"}', "is not valid UTF-8: 'utf-8' codec can't decode byte 0xff in position 13: invalid start byte"),
-            (b"[1, 2]", 'has an unexpected shape: expected a JSON object whose "message" is a string or an object, got a JSON list'),
-            (b'{"msg": "x"}', 'has an unexpected shape: expected a JSON object whose "message" is a string or an object, got an object without "message"'),
-            (b'{"message": 5}', 'has an unexpected shape: expected a JSON object whose "message" is a string or an object, got "message" of type int'),
-            (b"null", 'has an unexpected shape: expected a JSON object whose "message" is a string or an object, got a JSON NoneType'),
+            (b'{"message": "\xff\xfe"}',
+             "is not valid UTF-8: 'utf-8' codec can't decode byte 0xff in position 13: invalid start byte"),
+            (b"[1, 2]", 'has an unexpected shape: expected a JSON object whose "message" is a string or an object, '
+                        'got a JSON list'),
+            (b'{"msg": "x"}', 'has an unexpected shape: expected a JSON object whose "message" is a string or an '
+                              'object, got an object without "message"'),
+            (b'{"message": 5}', 'has an unexpected shape: expected a JSON object whose "message" is a string or an '
+                                'object, got "message" of type int'),
+            (b"null", 'has an unexpected shape: expected a JSON object whose "message" is a string or an object, '
+                      'got a JSON NoneType'),
         ],
     )
     def test_message_explains(self, tmp_path: Path, content: bytes, expected: str) -> None:
@@ -822,7 +827,7 @@ Root Cause (first observed failure):
   traceback : Traceback:
     boom
   
-============================================================"""
+============================================================"""  # noqa: W291, W293 (torch's report has these trailing spaces)
         assert str(err) == expected
         assert str(err).index("Failures:") < str(err).index("Root Cause")
 

@@ -320,7 +320,7 @@ def test_emfile_at_rank_k_is_a_clear_error_and_leaves_nothing(tmp_path, kind):
     pidfile = tmp_path / "pids"
     n = 12
     res = subprocess.run([sys.executable, "-c", _SQUEEZE, kind, str(n), str(pidfile), str(tmp_path / "logs")],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60, cwd="/",
+                         capture_output=True, timeout=60, cwd="/",
                          env=dict(os.environ), start_new_session=True)
     started = [int(x) for x in pidfile.read_text().split()] if pidfile.exists() else []
     try:
@@ -364,8 +364,7 @@ else:
 # passed); fixed in 73725f8.
 def test_fd_budget_covers_a_teed_function_launch(tmp_path):
     res = subprocess.run([sys.executable, "-c", _BUDGET, "24", "spawn", str(tmp_path / "logs")],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60, cwd="/",
-                         start_new_session=True)
+                         capture_output=True, timeout=60, cwd="/", start_new_session=True)
     out = res.stdout.decode()
     # Either it fits, or the error comes from the budget check, before anything started.
     assert out == "ok\n" or (out.startswith("OSError") and "needs about" in out), out + res.stderr.decode()[-2000:]
@@ -404,8 +403,8 @@ if __name__ == "__main__":
 def test_close_right_after_a_function_launch_is_prompt(tmp_path, method, rounds):
     script = tmp_path / "close_at_once.py"  # a file: forkserver re-imports the main module
     script.write_text(_CLOSE_AT_ONCE)
-    res = subprocess.run([sys.executable, str(script), method, str(rounds), str(tmp_path)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, timeout=120, cwd="/", start_new_session=True)
+    res = subprocess.run([sys.executable, str(script), method, str(rounds), str(tmp_path)], capture_output=True,
+                         timeout=120, cwd="/", start_new_session=True)
     err = res.stderr.decode()
     assert res.stdout == b"ok\n", res.stdout.decode() + err[-2000:]
     assert "SignalException" not in err and "Traceback" not in err, err[-3000:]

@@ -596,8 +596,9 @@ def test_workers_die_with_a_sigkilled_launcher(tmp_path, start_method):
         import torchmp
         from torchmp import _core, _forkserver
         import fn_workers
-        ctx = torchmp.start_processes("w", fn_workers.announce_and_sleep, {{0: ({str(pidfile)!r},), 1: ({str(pidfile)!r},)}},
-                                      {{0: {{}}, 1: {{}}}}, torchmp.DefaultLogsSpecs(log_dir={str(tmp_path / "logs")!r}),
+        ctx = torchmp.start_processes("w", fn_workers.announce_and_sleep,
+                                      {{0: ({str(pidfile)!r},), 1: ({str(pidfile)!r},)}}, {{0: {{}}, 1: {{}}}},
+                                      torchmp.DefaultLogsSpecs(log_dir={str(tmp_path / "logs")!r}),
                                       start_method={start_method!r})
         server = None
         if {start_method!r} == "forkserver":

@@ -183,9 +183,10 @@ _ENV_VAL = st.one_of(st.text(max_size=5), st.binary(max_size=4), st.integers(), 
                      st.sampled_from(["a\0b", "", "x=y", "\udcff", b"\0"]))
 _ENV = _weighted((12, _GOOD_ENV), (2, st.dictionaries(_ENV_KEY, _ENV_VAL, max_size=3)),
                  (1, st.one_of(st.none(), st.text(max_size=3), st.lists(st.text(max_size=2), max_size=2))))
+_EXTRA_KEYS = st.one_of(st.integers(-2, 8), st.text(max_size=1), st.booleans())
 
 
-def _rank_maps(values, extra_keys=st.one_of(st.integers(-2, 8), st.text(max_size=1), st.booleans())):
+def _rank_maps(values, extra_keys=_EXTRA_KEYS):
     """Mostly well-keyed {0..n-1} dicts, sometimes with a missing/extra/odd key,
     sometimes not a dict at all."""
     well_keyed = st.lists(values, min_size=0, max_size=4).map(lambda vs: dict(enumerate(vs)))
@@ -424,7 +425,7 @@ def _chunked(draw, data_strategy=_DATA):
     data = draw(data_strategy)
     cuts = sorted(draw(st.sets(st.integers(0, len(data)), max_size=12)))
     bounds = [0] + cuts + [len(data)]
-    chunks = [data[a:b] for a, b in zip(bounds, bounds[1:])]
+    chunks = [data[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
     if draw(st.booleans()):
         chunks.insert(draw(st.integers(0, len(chunks))), b"")  # empty reads happen too
     return data, chunks

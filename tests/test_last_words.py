@@ -79,7 +79,8 @@ def test_last_lines_without_traceback(tmp_path):
 
 
 def test_signal_death_keeps_its_message_and_shows_the_tail(tmp_path):
-    code = "import os, signal, sys; print('about to crash', file=sys.stderr, flush=True); os.kill(os.getpid(), signal.SIGSEGV)"
+    code = ("import os, signal, sys; print('about to crash', file=sys.stderr, flush=True); "
+            "os.kill(os.getpid(), signal.SIGSEGV)")
     _, result = _run(tmp_path, {0: code}, tee=Std.ALL)
     failure = result.failures[0]
     assert failure.exitcode == -signal.SIGSEGV
@@ -213,5 +214,6 @@ def test_torchrun_report_carries_the_last_words():
     tail = 'Traceback (most recent call last):\n  File "t.py", line 3, in main\nValueError: boom'
     f = ProcessFailure(1, 4242, 1, "/nonexistent", stderr_tail=tail)
     text = TorchCFE("job", {1: to_torch_failure(f)}).format_msg()
-    assert "  traceback : Traceback (most recent call last):\n    File \"t.py\", line 3, in main\n  ValueError: boom" in text
+    assert ("  traceback : Traceback (most recent call last):\n    File \"t.py\", line 3, in main\n"
+            "  ValueError: boom") in text
     assert os.environ.get("TORCHMP_NO_SUCH") is None

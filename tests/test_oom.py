@@ -17,8 +17,8 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 
@@ -48,7 +48,7 @@ CGROUP_V1 = """\
 MOUNTINFO_V2 = """\
 22 1 259:1 / / rw,relatime shared:1 - ext4 /dev/root rw
 30 23 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 cgroup2 rw,nsdelegate,memory_recursiveprot
-"""
+"""  # noqa: E501 (a verbatim /proc/self/mountinfo line)
 CGROUP_V2 = "0::/user.slice/user-1000.slice/session-3.scope\n"
 
 # A container without a cgroup namespace: its own part of the host's

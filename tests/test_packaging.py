@@ -89,7 +89,7 @@ def _stub_params(fn: ast.FunctionDef) -> list[tuple[str, Any, bool]]:
     if a.vararg:
         params.append((a.vararg.arg, inspect.Parameter.VAR_POSITIONAL, False))
     params += [(arg.arg, inspect.Parameter.KEYWORD_ONLY, d is not None)
-               for arg, d in zip(a.kwonlyargs, a.kw_defaults)]
+               for arg, d in zip(a.kwonlyargs, a.kw_defaults, strict=True)]
     if a.kwarg:
         params.append((a.kwarg.arg, inspect.Parameter.VAR_KEYWORD, False))
     return params

@@ -628,17 +628,17 @@ def test_tee_console_lines(impl, tmp_path, prefixes, only):
                         json.dumps(only))
     out, err = finish_driver(proc)
     assert proc.returncode == 0, err
-    result = json.loads(next(l for l in out.splitlines() if l.startswith("RESULT "))[7:])
+    result = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:])
     assert result["failed"] is False
     prefix = {0: "[r0]:" if prefixes else "[trainer0]:", 1: "[trainer1]:"}
     shown = [0, 1] if only is None else only
-    out_lines = [l for l in out.splitlines() if l.startswith("[")]
-    err_lines = [l for l in err.splitlines() if l.startswith("[")]
+    out_lines = [ln for ln in out.splitlines() if ln.startswith("[")]
+    err_lines = [ln for ln in err.splitlines() if ln.startswith("[")]
     assert sorted(out_lines) == sorted(f"{prefix[r]}{x}{r}" for r in shown for x in "ac")
     assert sorted(err_lines) == sorted(f"{prefix[r]}b{r}" for r in shown)
     # each rank's lines keep their order
     for r in shown:
-        assert [l for l in out_lines if l.startswith(prefix[r])] == [f"{prefix[r]}a{r}", f"{prefix[r]}c{r}"]
+        assert [ln for ln in out_lines if ln.startswith(prefix[r])] == [f"{prefix[r]}a{r}", f"{prefix[r]}c{r}"]
     # the files hold the bytes, without prefixes -- for the ranks the filter
     # keeps off the console too
     for rank in (0, 1):
@@ -838,7 +838,7 @@ def test_error_json_root_cause_and_report(impl, tmp_path):
     # Lines compared without trailing blanks (the template leaves a space
     # after "(pid: ...)" when there is no signal name, and the indented
     # traceback ends in "  "): that exact spacing is checked once here.
-    assert [l.rstrip() for l in masked.split("\n")] == EXPECTED_REPORT.split("\n")
+    assert [ln.rstrip() for ln in masked.split("\n")] == EXPECTED_REPORT.split("\n")
     assert masked.count("  exitcode  : 1 (pid: <PID>) \n") == 2
     assert f"error_file: {f1.error_file}\n" in report
     assert str(impl.ChildFailedError("rootcause", {0: f0, 1: f1})) == report

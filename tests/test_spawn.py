@@ -4,13 +4,10 @@ from __future__ import annotations
 import errno
 import os
 import signal
-import stat
 import subprocess
-import sys
 
 import pytest
 
-import torchmp
 from torchmp import Std, _core
 
 from helpers import (kill_groups, launch, pid_alive, popen_launcher, python_worker, read_pids, run_launcher,

@@ -183,7 +183,7 @@ def test_console_closed_keeps_logs_complete(tmp_path):
         print("LOG", r.stdouts[0], r.is_failed(), file=sys.stderr)
     """
     res = run_launcher(script)
-    line = [l for l in res.stderr.decode().splitlines() if l.startswith("LOG")][0]
+    line = [ln for ln in res.stderr.decode().splitlines() if ln.startswith("LOG")][0]
     _, path, failed = line.split()
     assert failed == "False"
     expected = "".join(f"{i}\n" for i in range(1, 50001)).encode()
@@ -239,6 +239,6 @@ def test_log_line_timestamps_on_console_not_in_log(tmp_path, capfdbinary):
     out, _ = capfdbinary.readouterr()
     lines = out.splitlines()
     assert len(lines) == 2
-    for line, text in zip(lines, (b"one", b"two")):
+    for line, text in zip(lines, (b"one", b"two"), strict=True):
         assert re.fullmatch(rb"\[trainer0\]:\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z " + text, line), line
     assert Path(result.stdouts[0]).read_bytes() == b"one\ntwo\n"

@@ -19,12 +19,11 @@ import time
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
 
 import torchmp
 
-from helpers import TAG_VAR, kill_tagged, tagged, wait_no_tagged
+from helpers import TAG_VAR, kill_tagged, wait_no_tagged
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed.run")
@@ -373,10 +372,10 @@ def test_parity_tee_prefix_template_and_duplicate_filters(launch, tmp_path):
     assert printed_per_rank(t_out, header) == printed_per_rank(m_out, header)
     assert len(worker_lines(m_out, "<")) == 6
     m_err_lines = worker_lines(m_err, "<")
-    assert [l for l in m_err_lines if "pdeathsig" not in l] == ["<default|0|0> err 0", "<default|1|1> err 1"]
+    assert [ln for ln in m_err_lines if "pdeathsig" not in ln] == ["<default|0|0> err 0", "<default|1|1> err 1"]
     assert {rank: text.replace("pdeathsig 0", "") for rank, text in printed_per_rank(t_err, header).items()} == {
         rank: text.replace("pdeathsig 9", "") for rank, text in printed_per_rank(m_err, header).items()}
-    assert [l for l in m_err_lines if "pdeathsig" in l] == [
+    assert [ln for ln in m_err_lines if "pdeathsig" in ln] == [
         "<default|0|0> pdeathsig 9", "<default|1|1> pdeathsig 9"]
     assert all("pdeathsig 0" in text for text in printed_per_rank(t_err, header).values())
 

@@ -20,9 +20,10 @@ The worker is the server's child, not the launcher's.  When it exits the
 server reads its status without reaping it (``waitid(WNOWAIT)``), appends a
 ``tmpEXIT1`` trailer (wait status, user/sys CPU, max RSS) to the worker's
 return channel, and keeps the zombie until the launcher releases it: the
-zombie pins the pid and process group id the launcher may still signal.  If the server dies, its workers die with it (their
-parent-death signal) and their channels end without a trailer: the launcher
-reports them as failed with "the forkserver died".
+zombie pins the pid and process group id the launcher may still signal.
+If the server dies, its workers die with it (their parent-death signal) and
+their channels end without a trailer: the launcher reports them as failed
+with "the forkserver died".
 """
 
 from __future__ import annotations

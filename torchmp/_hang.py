@@ -190,7 +190,7 @@ def format_table(rows: Sequence[tuple[int, RankSample | None, float | None, floa
 
     def line(row: Sequence[str]) -> str:
         return "  ".join(c.ljust(w) if i in left else c.rjust(w)
-                         for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+                         for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip()
 
     return "\n".join([line(header), *(line(c) for c in cells)]) + "\n"
 

@@ -17,7 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 from torchmp import _console, _core, _oom
-from torchmp._exec import _CAPTURE, _NO_STREAM, _ExecPlan, _exec_env, _exitcode, _launcher_environ, _open_log, resolve_executable
+from torchmp._exec import (
+    _CAPTURE, _NO_STREAM, _ExecPlan, _exec_env, _exitcode, _launcher_environ, _open_log, resolve_executable,
+)
 from torchmp._inputs import (
     DEFAULT_STDERR_TAIL_LINES, TAIL_BYTES_PER_LINE, _check_filters, _check_name, _check_prefixes,
     _normalize_args, _normalize_envs,
@@ -148,7 +150,7 @@ class _NativeContext(PContext):
         specs = [
             (plan.path, plan.argv, plan.envp, out, err, _CAPTURE if plan.capture_return else _NO_STREAM,
              plan.payload_fd)
-            for plan, (out, err) in zip(plans, streams)
+            for plan, (out, err) in zip(plans, streams, strict=True)
         ]
         try:
             group.spawn(specs)

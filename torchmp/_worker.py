@@ -17,7 +17,8 @@ from __future__ import annotations
 import os
 import pickle
 import sys
-from typing import Any, Callable, NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 FD_RETURN = 3
 FD_PAYLOAD = 4

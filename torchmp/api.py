@@ -256,7 +256,7 @@ def start_processes(  # type: ignore[misc]  # one body parses both signatures
     if len(positional) > len(names):
         raise TypeError(f"start_processes() takes at most {5 + len(names)} positional arguments")
     options = dict(defaults)
-    for key, value in zip(names, positional):
+    for key, value in zip(names, positional, strict=False):
         options[key] = value
     if "log_dir" in kwargs:
         if logs_specs is not None:
@@ -265,7 +265,7 @@ def start_processes(  # type: ignore[misc]  # one body parses both signatures
     for key, value in kwargs.items():
         if key not in options:
             raise TypeError(f"start_processes() got an unexpected keyword argument {key!r}")
-        if key in dict(zip(names, positional)):
+        if key in dict(zip(names, positional, strict=False)):
             raise TypeError(f"start_processes() got multiple values for argument {key!r}")
         options[key] = value
 

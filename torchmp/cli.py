@@ -667,7 +667,7 @@ def format_summary(
     left = {2, 6}  # exit and note read better left-aligned
 
     def line(cells: Sequence[str]) -> str:
-        out = [c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        out = [c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))]
         return "  ".join(out).rstrip()
 
     succeeded = sum(1 for local in range(nproc)

@@ -123,7 +123,7 @@ class Std(IntFlag):
         Traceback (most recent call last):
           ...
         ValueError: invalid Std setting '0:1,0:2': local rank 0 is given more than once
-        """
+        """  # noqa: E501 (a doctest: the error message in full)
         if not isinstance(vm, str):
             raise TypeError(
                 f"Std.from_str expects a str, got {type(vm).__name__} {vm!r}"
@@ -146,8 +146,10 @@ class Std(IntFlag):
         return mapping
 
 
+# Union[...], not X | Y (noqa UP007): this is a runtime object, not an
+# annotation, and Union keeps it (and its repr) as it was.
 #: What ``redirects``/``tee`` accept: one value for all ranks, or a per-rank mapping.
-StdSetting = Union[Std, int, Mapping[int, Union[Std, int]]]
+StdSetting = Union[Std, int, Mapping[int, Union[Std, int]]]  # noqa: UP007
 
 
 def _is_int(value: object) -> bool:
@@ -241,7 +243,7 @@ def validate_full_rank(d: Mapping[int, Any], nprocs: int, what: str) -> None:
     Traceback (most recent call last):
       ...
     torchmp.logs_specs.RankMappingError: envs: missing local ranks [1]; unexpected keys ['a'] (expected keys 0..1 for nprocs=2)
-    """
+    """  # noqa: E501 (a doctest: the error message in full)
     if type(d) is dict and type(nprocs) is int and len(d) == nprocs and all(
             type(k) is int and 0 <= k < nprocs for k in d):
         return  # the common case, checked on every launch
@@ -597,7 +599,7 @@ class LegacyLogsSpecs(LogsSpecs):
       ...
     RuntimeError: log_dir ... is not empty (it contains '0'); the 1.9 form of start_processes needs a missing or empty directory
     >>> shutil.rmtree(root)
-    """
+    """  # noqa: E501 (a doctest: the error message in full)
 
     def __init__(
         self,
@@ -631,7 +633,7 @@ class LegacyLogsSpecs(LogsSpecs):
         path = str(self._root_log_dir)
         if os.path.isdir(path):
             with os.scandir(path) as it:
-                names = sorted(entry.name for _, entry in zip(range(4), it))
+                names = sorted(entry.name for _, entry in zip(range(4), it, strict=False))
             if names:
                 shown = ", ".join(repr(n) for n in names[:3])
                 more = ", ..." if len(names) > 3 else ""
