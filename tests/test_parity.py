@@ -36,6 +36,7 @@ import psutil
 import pytest
 
 import torchmp
+from helpers import pid_alive, wait_gone
 
 import parity_workers as pw
 
@@ -138,21 +139,6 @@ def _restore_signal_handlers():
 
 # --- helpers ---------------------------------------------------------------------
 
-def pid_alive(pid: int) -> bool:
-    """True if pid exists and is not a zombie."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def wait_gone(pids, timeout: float = 5.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    alive = [p for p in pids if pid_alive(p)]
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.01)
-        alive = [p for p in alive if pid_alive(p)]
-    return alive
 
 
 def kill_leftovers(pids) -> None:
