@@ -60,7 +60,11 @@ if SANITIZE:
     compile_args += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g"]
     link_args += ["-fsanitize=address,undefined"]
 
-C_SOURCES = ["csrc/spawn.c", "csrc/framer.c", "csrc/console.c", "csrc/poller.c", "csrc/loop.c", "csrc/keeper.c", "csrc/procscan.c"]
+C_SOURCES = [
+    "csrc/spawn.c", "csrc/framer.c", "csrc/console.c", "csrc/poller.c",
+    "csrc/loop_streams.c", "csrc/loop_reap.c", "csrc/loop_groups.c", "csrc/loop_thread.c",
+    "csrc/keeper.c", "csrc/procscan.c",
+]
 
 extension = Extension(
     "torchmp._core",
@@ -70,7 +74,7 @@ extension = Extension(
     undef_macros=undef_macros,
     extra_compile_args=compile_args,
     extra_link_args=link_args,
-    depends=["csrc/torchmp.h", "csrc/ctorchmp.pxd"] + C_SOURCES,
+    depends=["csrc/torchmp.h", "csrc/loop_internal.h", "csrc/ctorchmp.pxd"] + C_SOURCES,
 )
 
 setup(

@@ -5,7 +5,10 @@
  *   framer.c  per-stream line framing for the console (prefix + whole lines)
  *   console.c consoles that never block the I/O thread (bounded backlog, drops)
  *   poller.c  epoll (Linux) or poll() readiness backends behind one interface
- *   loop.c    the process-wide I/O thread: tee pipes, pidfds, reaping, commands
+ *   loop_*.c  the process-wide I/O thread and worker groups, behind the
+ *             private loop_internal.h: loop_thread.c (the thread, commands),
+ *             loop_streams.c (tee pipes, consoles), loop_reap.c (exits,
+ *             pidfds, reaping), loop_groups.c (groups: spawn, prepare, adopt)
  *   keeper.c  the process that kills the workers' groups if the launcher dies
  *   procscan.c which process groups still have a living member (/proc)
  *
@@ -274,7 +277,7 @@ int torchmp_poller_fd(const torchmp_poller *p);
 int torchmp_wait_readable(int fd, int other_fd, int64_t timeout_ns);
 
 /* ---------------------------------------------------------------------------
- * loop.c: the I/O thread and worker groups (one group per PContext).
+ * loop_*.c: the I/O thread and worker groups (one group per PContext).
  */
 typedef struct torchmp_group torchmp_group;
 

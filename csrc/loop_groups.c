@@ -1,0 +1,536 @@
+/*
+ * Worker groups (one per PContext): creation and freeing, the commands that
+ * spawn, prepare, adopt and finish a group's ranks (the caller's entry
+ * point, and the loop-thread side that runs it), and what Python reads of a
+ * group: rank states, stream states, captures and tails.  Exits, waiting and
+ * signalling are in loop_reap.c.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include "loop_internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+
+/* ---- spawning ----------------------------------------------------------- */
+
+static const torchmp_stream_spec *rank_stream_spec(const torchmp_rank_spec *spec, int which)
+{
+    return which == STREAM_OUT ? &spec->out : which == STREAM_ERR ? &spec->err : &spec->ret;
+}
+
+/* The launcher's copies of the pipe ends the worker writes to. */
+static void rank_child_ends_close(const torchmp_rank_spec *spec, int *child_fds)
+{
+    for (int w = 0; w < STREAM_COUNT; w++) {
+        int mode = rank_stream_spec(spec, w)->mode;
+        if (mode == TORCHMP_STREAM_TEE || mode == TORCHMP_STREAM_CAPTURE)
+            close_fd(&child_fds[1 + w]);
+    }
+}
+
+void torchmp_loop_rank_streams_abort(torchmp_loop *L, torchmp_proc *p)
+{
+    for (int w = 0; w < STREAM_COUNT; w++) {
+        torchmp_loop_stream_close(L, &p->streams[w]);
+        torchmp_loop_stream_free(L, &p->streams[w]);
+    }
+}
+
+/* Open stdout, stderr and the return channel of a rank on the loop side and
+ * put the worker's ends in child_fds[1..3]. */
+static int rank_streams_open(torchmp_loop *L, torchmp_proc *p, const torchmp_rank_spec *spec, int *child_fds,
+                             torchmp_exec_error *err)
+{
+    for (int w = 0; w < STREAM_COUNT; w++) {
+        if (torchmp_loop_stream_open(L, p, w, rank_stream_spec(spec, w), &child_fds[1 + w]) != 0) {
+            err->step = TORCHMP_STEP_STREAM;
+            err->errnum = errno;
+            rank_child_ends_close(spec, child_fds);
+            torchmp_loop_rank_streams_abort(L, p);
+            errno = err->errnum;
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static int do_spawn_one(torchmp_loop *L, torchmp_group *g, int rank, torchmp_rank_spec *spec,
+                        torchmp_exec_error *err)
+{
+    torchmp_proc *p = &g->procs[rank];
+    torchmp_spawn_args a = spec->args;
+    pid_t pid;
+    int64_t start;
+    int rc;
+
+    if (p->info.state != TORCHMP_PROC_UNSTARTED) {
+        err->step = TORCHMP_STEP_FORK;
+        err->errnum = EBUSY;
+        return -1;
+    }
+    if (rank_streams_open(L, p, spec, a.child_fds, err) != 0)
+        return -1;
+    a.use_vfork = L->use_vfork;
+    a.parent_pid = L->owner_pid;
+    a.max_fd = L->max_fd;
+#ifdef TORCHMP_HAVE_PDEATHSIG
+    a.pdeathsig = SIGKILL;
+#else
+    a.pdeathsig = 0;
+#endif
+
+    start = clock_ns(CLOCK_MONOTONIC);
+    rc = torchmp_spawn(&a, &pid, err);
+    rank_child_ends_close(spec, a.child_fds);
+    if (rc != 0) {
+        torchmp_loop_rank_streams_abort(L, p);
+        return -1;
+    }
+    return torchmp_loop_rank_adopt(L, p, pid, 0, start, err);
+}
+
+static void group_link(torchmp_loop *L, torchmp_group *g)
+{
+    if (!g->linked) {
+        g->next = L->groups;
+        L->groups = g;
+        g->linked = 1;
+    }
+}
+
+int torchmp_loop_do_spawn(torchmp_loop *L, command *c)
+{
+    sigset_t reset;
+    group_link(L, c->group);
+    torchmp_signals_to_reset(&reset);
+    for (int i = 0; i < c->count; i++) {
+        c->specs[i].args.reset_signals = reset;
+        if (do_spawn_one(L, c->group, i, &c->specs[i], &c->err) != 0)
+            return i;
+    }
+    return c->count;
+}
+
+void torchmp_loop_do_finish(torchmp_loop *L, torchmp_group *g)
+{
+    for (int i = 0; i < g->nprocs; i++) {
+        for (int w = 0; w < STREAM_COUNT; w++) {
+            stream *s = &g->procs[i].streams[w];
+            if (s->fd >= 0) {
+                torchmp_loop_stream_drain_buffered(L, s);
+                torchmp_loop_stream_close(L, s);
+            }
+        }
+    }
+}
+
+/* ---- groups ------------------------------------------------------------- */
+
+static void needles_free(torchmp_needles *n)
+{
+    for (size_t i = 0; i < n->count; i++)
+        free(n->data[i]);
+    free(n->data);
+    free(n->len);
+    n->data = NULL;
+    n->len = NULL;
+    n->count = 0;
+}
+
+static int needles_copy(torchmp_needles *dst, const torchmp_needles *src)
+{
+    dst->count = 0;
+    dst->data = calloc(src->count ? src->count : 1, sizeof(char *));
+    dst->len = calloc(src->count ? src->count : 1, sizeof(size_t));
+    if (dst->data == NULL || dst->len == NULL) {
+        needles_free(dst);
+        errno = ENOMEM;
+        return -1;
+    }
+    for (size_t i = 0; i < src->count; i++) {
+        dst->data[i] = malloc(src->len[i] ? src->len[i] : 1);
+        if (dst->data[i] == NULL) {
+            needles_free(dst);
+            errno = ENOMEM;
+            return -1;
+        }
+        memcpy(dst->data[i], src->data[i], src->len[i]);
+        dst->len[i] = src->len[i];
+        dst->count++;
+    }
+    return 0;
+}
+
+void torchmp_loop_group_free(torchmp_group *g)
+{
+    for (int i = 0; i < g->nprocs; i++) {
+        torchmp_proc *p = &g->procs[i];
+        close_fd(&p->pidfd);
+        for (int w = 0; w < STREAM_COUNT; w++) {
+            close_fd(&p->streams[w].fd);
+            close_fd(&p->streams[w].log_fd);
+            torchmp_loop_stream_free(g->loop, &p->streams[w]);
+        }
+    }
+    for (int w = 0; w < 2; w++) {
+        close_fd(&g->filtered_fd[w]);
+        if (g->has_needles[w])
+            needles_free(&g->needles[w]);
+    }
+    free(g->procs);
+    free(g);
+}
+
+/* Free released groups with nothing left to watch.  Runs after a batch of
+ * events, so no event of the batch can point into a freed group. */
+void torchmp_loop_collect_groups(torchmp_loop *L)
+{
+    torchmp_group **link = &L->groups;
+    while (*link != NULL) {
+        torchmp_group *g = *link;
+        if (g->released && g->running == 0 && g->open_streams == 0) {
+            *link = g->next;
+            torchmp_loop_group_free(g);
+        } else {
+            link = &g->next;
+        }
+    }
+}
+
+/* Open the streams of ranks [0, count) for workers forked outside the loop.
+ * All or nothing: on a failure at rank k, whatever was opened is closed again
+ * and k is returned. */
+int torchmp_loop_do_prepare(torchmp_loop *L, command *c)
+{
+    torchmp_group *g = c->group;
+    group_link(L, g);
+    for (int i = 0; i < c->count; i++) {
+        if (rank_streams_open(L, &g->procs[i], &c->specs[i], c->specs[i].args.child_fds, &c->err) != 0) {
+            for (int j = 0; j < i; j++) {
+                rank_child_ends_close(&c->specs[j], c->specs[j].args.child_fds);
+                torchmp_loop_rank_streams_abort(L, &g->procs[j]);
+            }
+            return i;
+        }
+    }
+    return c->count;
+}
+
+/* Watch forked workers.  If one cannot be watched, it and every worker after
+ * it in the batch are killed and reaped (they are our children), and the
+ * index of the first is returned. */
+int torchmp_loop_do_adopt(torchmp_loop *L, command *c)
+{
+    torchmp_group *g = c->group;
+    int64_t now = clock_ns(CLOCK_MONOTONIC);
+    for (int i = 0; i < c->count; i++) {
+        int64_t start = c->start_ns != NULL && c->start_ns[i] != 0 ? c->start_ns[i] : now;
+        if (torchmp_loop_rank_adopt(L, &g->procs[c->ranks[i]], c->pids[i], c->foreign, start, &c->err) == 0)
+            continue;
+        for (int j = i + 1; j < c->count; j++) {
+            if (!c->foreign) {
+                int status;
+                kill(c->pids[j], SIGKILL);
+                while (waitpid(c->pids[j], &status, 0) < 0 && errno == EINTR)
+                    ;
+            }
+            torchmp_loop_rank_streams_abort(L, &g->procs[c->ranks[j]]);
+        }
+        return i;
+    }
+    return c->count;
+}
+
+/* ---- public API --------------------------------------------------------- */
+
+torchmp_group *torchmp_group_new(int nprocs,
+                                 const torchmp_needles *out_needles, int filtered_out_fd,
+                                 const torchmp_needles *err_needles, int filtered_err_fd)
+{
+    torchmp_loop *L = torchmp_loop_get();
+    torchmp_group *g;
+    const torchmp_needles *needles[2] = {out_needles, err_needles};
+    int filtered[2] = {filtered_out_fd, filtered_err_fd};
+    int saved;
+
+    if (L == NULL)
+        return NULL;
+    if (nprocs < 0) {
+        errno = EINVAL;
+        return NULL;
+    }
+    g = calloc(1, sizeof(*g));
+    if (g == NULL)
+        return NULL;
+    g->loop = L;
+    g->nprocs = nprocs;
+    g->filtered_fd[0] = g->filtered_fd[1] = -1;
+    g->console_fd[0] = 1;
+    g->console_fd[1] = 2;
+    g->procs = calloc(nprocs > 0 ? (size_t)nprocs : 1, sizeof(torchmp_proc));
+    if (g->procs == NULL)
+        goto fail;
+    for (int i = 0; i < nprocs; i++) {
+        torchmp_proc *p = &g->procs[i];
+        p->rank = i;
+        p->pidfd = -1;
+        p->group = g;
+        p->info.state = TORCHMP_PROC_UNSTARTED;
+        for (int w = 0; w < STREAM_COUNT; w++) {
+            p->streams[w].kind = WATCH_STREAM;
+            p->streams[w].fd = -1;
+            p->streams[w].log_fd = -1;
+            p->streams[w].which = w;
+            p->streams[w].proc = p;
+            torchmp_framer_init(&p->streams[w].framer, NULL, 0, MAX_LINE);
+        }
+    }
+    for (int w = 0; w < 2; w++) {
+        if (needles[w] != NULL) {
+            if (needles_copy(&g->needles[w], needles[w]) != 0)
+                goto fail;
+            g->has_needles[w] = 1;
+        }
+        if (filtered[w] >= 0) {
+            g->filtered_fd[w] = fcntl(filtered[w], F_DUPFD_CLOEXEC, 3);
+            if (g->filtered_fd[w] < 0)
+                goto fail;
+        }
+    }
+
+    /* The loop thread links the group into its list with the first spawn;
+     * the group list is loop-thread state. */
+    return g;
+
+fail:
+    saved = errno;
+    torchmp_loop_group_free(g);
+    errno = saved;
+    return NULL;
+}
+
+int torchmp_loop_group_is_ours(torchmp_group *g)
+{
+    if (g->loop->owner_pid != getpid()) {
+        errno = ECHILD; /* a group inherited across fork belongs to the parent */
+        return 0;
+    }
+    return 1;
+}
+
+static void note_pipes(torchmp_group *g, const torchmp_rank_spec *specs, int count)
+{
+    for (int i = 0; i < count; i++) {
+        for (int w = 0; w < STREAM_COUNT; w++) {
+            int mode = rank_stream_spec(&specs[i], w)->mode;
+            if (mode == TORCHMP_STREAM_TEE || mode == TORCHMP_STREAM_CAPTURE)
+                g->has_pipes = 1;
+        }
+    }
+}
+
+/* SPAWN and PREPARE: a command over ranks [0, count), all still unstarted. */
+static int ranks_command(torchmp_group *g, int type, torchmp_rank_spec *specs, int count, torchmp_exec_error *err)
+{
+    command c;
+    if (!torchmp_loop_group_is_ours(g))
+        return -1;
+    if (count < 0 || count > g->nprocs) {
+        errno = EINVAL;
+        return -1;
+    }
+    for (int i = 0; i < count; i++) {
+        if (g->procs[i].info.state != TORCHMP_PROC_UNSTARTED) {
+            errno = EBUSY;
+            return -1;
+        }
+    }
+    note_pipes(g, specs, count);
+    memset(&c, 0, sizeof(c));
+    c.type = type;
+    c.group = g;
+    c.specs = specs;
+    c.count = count;
+    torchmp_loop_submit(g->loop, &c, 1);
+    *err = c.err;
+    return c.result;
+}
+
+int torchmp_group_spawn(torchmp_group *g, torchmp_rank_spec *specs, int count, torchmp_exec_error *err)
+{
+    return ranks_command(g, CMD_SPAWN, specs, count, err);
+}
+
+int torchmp_group_prepare(torchmp_group *g, torchmp_rank_spec *specs, int count, torchmp_exec_error *err)
+{
+    return ranks_command(g, CMD_PREPARE, specs, count, err);
+}
+
+int torchmp_group_adopt(torchmp_group *g, const int *ranks, const pid_t *pids, const int64_t *start_ns, int count,
+                        int foreign, torchmp_exec_error *err)
+{
+    command c;
+    if (!torchmp_loop_group_is_ours(g))
+        return -1;
+    if (count < 0) {
+        errno = EINVAL;
+        return -1;
+    }
+    for (int i = 0; i < count; i++) {
+        if (ranks[i] < 0 || ranks[i] >= g->nprocs || g->procs[ranks[i]].info.state != TORCHMP_PROC_UNSTARTED) {
+            errno = EINVAL;
+            return -1;
+        }
+    }
+    memset(&c, 0, sizeof(c));
+    c.type = CMD_ADOPT;
+    c.group = g;
+    c.ranks = ranks;
+    c.pids = pids;
+    c.start_ns = start_ns;
+    c.count = count;
+    c.foreign = foreign;
+    torchmp_loop_submit(g->loop, &c, 1);
+    *err = c.err;
+    return c.result;
+}
+
+int torchmp_group_drop_unstarted(torchmp_group *g)
+{
+    command c;
+    int i;
+    if (!torchmp_loop_group_is_ours(g))
+        return -1;
+    for (i = 0; i < g->nprocs; i++) {
+        if (g->procs[i].info.state == TORCHMP_PROC_UNSTARTED)
+            break;
+    }
+    if (i == g->nprocs)
+        return 0; /* every rank was adopted: nothing to drop, spare the round trip */
+    memset(&c, 0, sizeof(c));
+    c.type = CMD_DROP_UNSTARTED;
+    c.group = g;
+    torchmp_loop_submit(g->loop, &c, 1);
+    return 0;
+}
+
+char *torchmp_group_take_capture(torchmp_group *g, int rank, size_t *len)
+{
+    torchmp_loop *L = g->loop;
+    stream *s;
+    char *data;
+    *len = 0;
+    if (rank < 0 || rank >= g->nprocs) {
+        errno = EINVAL;
+        return NULL;
+    }
+    s = &g->procs[rank].streams[STREAM_RET];
+    pthread_mutex_lock(&L->mu);
+    if (s->capture_errno != 0) {
+        errno = s->capture_errno;
+        pthread_mutex_unlock(&L->mu);
+        return NULL;
+    }
+    data = s->capture;
+    *len = s->capture_len;
+    s->capture = NULL;
+    s->capture_len = s->capture_cap = 0;
+    pthread_mutex_unlock(&L->mu);
+    errno = 0;
+    return data;
+}
+
+uint64_t torchmp_group_snapshot(torchmp_group *g, torchmp_proc_info *out, int n)
+{
+    uint64_t version;
+    torchmp_loop *L = g->loop;
+    if (n > g->nprocs)
+        n = g->nprocs;
+    if (!torchmp_loop_group_is_ours(g)) {
+        for (int i = 0; i < n; i++)
+            out[i] = g->procs[i].info;
+        return g->version;
+    }
+    pthread_mutex_lock(&L->mu);
+    for (int i = 0; i < n; i++)
+        out[i] = g->procs[i].info;
+    version = g->version;
+    pthread_mutex_unlock(&L->mu);
+    return version;
+}
+
+void torchmp_group_stream_state(torchmp_group *g, torchmp_stream_state *out, int n)
+{
+    torchmp_loop *L = g->loop;
+    int ours = torchmp_loop_group_is_ours(g);
+    if (n > g->nprocs)
+        n = g->nprocs;
+    if (ours)
+        pthread_mutex_lock(&L->mu);
+    for (int i = 0; i < n; i++) {
+        for (int w = STREAM_OUT; w <= STREAM_ERR; w++) {
+            out[i].open[w] = g->procs[i].streams[w].open;
+            out[i].last_data_ns[w] = g->procs[i].streams[w].last_data_ns;
+        }
+    }
+    if (ours)
+        pthread_mutex_unlock(&L->mu);
+}
+
+size_t torchmp_group_tail(torchmp_group *g, int rank, int which, char *buf, size_t cap)
+{
+    torchmp_loop *L = g->loop;
+    int ours = torchmp_loop_group_is_ours(g);
+    size_t n = 0, start;
+    stream *s;
+    if (rank < 0 || rank >= g->nprocs || (which != STREAM_OUT && which != STREAM_ERR))
+        return 0;
+    s = &g->procs[rank].streams[which];
+    if (ours)
+        pthread_mutex_lock(&L->mu);
+    if (s->tail != NULL) {
+        n = s->tail_len < cap ? s->tail_len : cap;
+        /* the newest n bytes end at tail_end */
+        start = (s->tail_end + s->tail_cap - n) % s->tail_cap;
+        for (size_t i = 0; i < n; i++)
+            buf[i] = s->tail[(start + i) % s->tail_cap];
+    }
+    if (ours)
+        pthread_mutex_unlock(&L->mu);
+    return n;
+}
+
+int torchmp_group_finish_streams(torchmp_group *g)
+{
+    command c;
+    if (!torchmp_loop_group_is_ours(g))
+        return -1;
+    if (!g->has_pipes)
+        return 0; /* nothing to drain: spare the round trip */
+    memset(&c, 0, sizeof(c));
+    c.type = CMD_FINISH;
+    c.group = g;
+    torchmp_loop_submit(g->loop, &c, 1);
+    return 0;
+}
+
+void torchmp_group_release(torchmp_group *g)
+{
+    command *c;
+    if (!torchmp_loop_group_is_ours(g))
+        return; /* the parent's loop owns it; leave it alone */
+    c = calloc(1, sizeof(*c));
+    if (c == NULL) {
+        /* Cannot hand it over: leaking the group is the only safe choice. */
+        return;
+    }
+    c->type = CMD_RELEASE;
+    c->group = g;
+    torchmp_loop_submit(g->loop, c, 0);
+}

@@ -1,0 +1,258 @@
+/*
+ * The I/O loop's private header: the structs the loop_*.c files share and
+ * the functions one of them calls in another.  Included by loop_*.c only
+ * (first, after _GNU_SOURCE); the loop's public API is in torchmp.h.
+ *
+ *   loop_streams.c  tee pipes (open, read, frame, log, capture, tail, close)
+ *                   and the fd consoles they write to
+ *   loop_reap.c     a rank's exit: watched (pidfd, SIGCHLD scan, forkserver
+ *                   trailer), recorded, waited for, reaped; signalling the
+ *                   process groups that exits pin
+ *   loop_groups.c   groups: new/free, spawn/prepare/adopt/drop/finish/release
+ *                   as commands for the thread, and what Python reads of them
+ *   loop_thread.c   the thread: wake-up channels, SIGCHLD, the command queue,
+ *                   the poller loop, loop creation (again after a fork)
+ *
+ * Locking: `mu` guards the command queue and every field Python reads (the
+ * rank states).  Streams and the group list belong to the loop thread alone.
+ * The GIL serialises the Python-side entry points, including loop creation.
+ *
+ * What one file calls in another is named torchmp_loop_*; everything else
+ * stays static in its file.
+ */
+#ifndef TORCHMP_LOOP_INTERNAL_H
+#define TORCHMP_LOOP_INTERNAL_H
+
+#include "torchmp.h"
+
+#include <pthread.h>
+#include <stdint.h>
+#include <time.h>
+#include <unistd.h>
+
+#ifdef TORCHMP_HAVE_PIDFD
+#include <sys/syscall.h>
+/* Build hosts with kernel headers older than 5.3 (the manylinux images) do not
+ * name it; the number is the same on every architecture (the unified table). */
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+#endif
+
+#define READ_CHUNK (1024 * 1024)
+#define SCRATCH_SIZE (256 * 1024)
+/* A stream that fills its default 64 KiB pipe gets a 1 MiB one, so a chatty
+ * worker blocks (and context-switches) 16 times less often.  Pipe memory is
+ * a per-user resource (fs/pipe-user-pages-soft: past it, new pipes of every
+ * program of the user shrink to one page), so the total is capped. */
+#define DEFAULT_PIPE_SIZE (64 * 1024)
+#define BUSY_PIPE_SIZE (1024 * 1024)
+#define PIPE_GROWTH_BUDGET (16L * 1024 * 1024)
+#define MAX_LINE (256 * 1024)
+
+/* What a watch in the I/O thread's set is: the first int of its pointer.  The
+ * pidfds in the exits set point at their torchmp_proc directly. */
+enum watch_kind { WATCH_CONTROL = 1, WATCH_STREAM = 2, WATCH_EXITS = 3, WATCH_CONSOLE = 4 };
+
+/* A console the loop writes to the launcher's fd 1 or 2 through (console.c),
+ * one per target, shared by every stream teed there. */
+typedef struct console_entry {
+    int kind;                  /* WATCH_CONSOLE: first member, for dispatch */
+    torchmp_console *console;
+    int users;                 /* streams writing to it */
+    int watched;               /* 1: in the poller for writability (bytes wait);
+                                * -1: pumped on a timer instead; 0: idle */
+    int watched_fd;            /* the fd registered (the console may close it) */
+    struct console_entry *next;
+} console_entry;
+
+typedef struct torchmp_proc torchmp_proc;
+
+typedef struct stream {
+    int kind;                  /* WATCH_STREAM: first member, for dispatch */
+    int fd;                    /* pipe read end; -1 when not teed or closed */
+    int log_fd;                /* -1: none, or switched off after an error */
+    int log_errno;
+    int which;                 /* STREAM_OUT, STREAM_ERR or STREAM_RET */
+    char *prefix;
+    torchmp_framer framer;
+    /* TEE with a console: where the lines are shown, and what they are for
+     * the console's bound and marker line */
+    torchmp_console *console;
+    console_entry *console_entry;      /* fd consoles: the loop's entry */
+    torchmp_console_source source;
+    char *log_path;
+    /* on L->timed while the framer has a deadline (loop thread) */
+    struct stream *timed_prev, *timed_next;
+    int timed;
+    /* STREAM_RET: the bytes read so far (mu: Python takes them) */
+    char *capture;
+    size_t capture_len, capture_cap;
+    int capture_errno;
+    int pipe_grown;            /* bytes of pipe capacity taken from the budget; -1: gave up */
+    /* mu: what failure reports and hang reports read from other threads */
+    int open;                  /* the pipe is being drained */
+    int64_t last_data_ns;      /* when bytes last came, 0: never */
+    char *tail;                /* ring of the last tail_cap bytes (NULL: none kept) */
+    size_t tail_cap, tail_len, tail_end;  /* tail_end: where the next byte goes */
+    torchmp_proc *proc;
+} stream;
+
+enum { STREAM_OUT = 0, STREAM_ERR = 1, STREAM_RET = 2, STREAM_COUNT = 3 };
+
+struct torchmp_proc {
+    int rank;
+    int pidfd;
+    int foreign;               /* a forkserver's child: exits come as a trailer */
+    int foreign_gone;          /* its pidfd fired: the trailer is on its way */
+    int exiting;               /* proc_record_exit is running for it */
+    /* fields below `mu` guards */
+    /* Exited but not reaped yet: the zombie (ours, or the forkserver's until
+     * Python releases it) pins the pid and so the process group id, which
+     * therefore cannot belong to anybody else while torchmp may signal it. */
+    int unreaped;
+    int keeper_slot;           /* the group's slot in the keeper's table, 0: none */
+    torchmp_proc_info info;
+    stream streams[STREAM_COUNT];
+    torchmp_group *group;
+};
+
+struct torchmp_group {
+    struct torchmp_loop *loop;
+    int nprocs;
+    torchmp_proc *procs;
+    torchmp_needles needles[2];
+    int has_needles[2];
+    int filtered_fd[2];
+    int filtered_errno[2];
+    int console_fd[2];         /* 1 and 2, or -1 once broken for this group */
+    int console_errno[2];
+    /* Callers sleeping in torchmp_group_wait, each on a wake fd of its own:
+     * a shared fd drained by one waiter could hide an exit from another. */
+    struct group_waiter *waiters;  /* mu */
+    int interrupted;           /* mu: torchmp_group_interrupt was called */
+    int has_pipes;             /* caller thread: some stream is a pipe the loop drains */
+    uint64_t version;          /* mu */
+    int released;              /* loop thread */
+    int running;               /* loop thread */
+    int open_streams;          /* loop thread */
+    int linked;                /* loop thread: on L->groups */
+    torchmp_group *next;
+};
+
+typedef struct group_waiter {
+    int wake_r, wake_w;
+    struct group_waiter *next;
+} group_waiter;
+
+enum cmd_type {
+    CMD_SPAWN = 1, CMD_FINISH = 2, CMD_RELEASE = 3, CMD_PREPARE = 4, CMD_ADOPT = 5, CMD_DROP_UNSTARTED = 6
+};
+
+typedef struct command {
+    int type;
+    torchmp_group *group;
+    torchmp_rank_spec *specs;  /* SPAWN, PREPARE */
+    int count;
+    const int *ranks;          /* ADOPT */
+    const pid_t *pids;         /* ADOPT */
+    const int64_t *start_ns;   /* ADOPT: CLOCK_MONOTONIC at fork, or NULL for now */
+    int foreign;               /* ADOPT */
+    torchmp_exec_error err;
+    int result;
+    int done;
+    struct command *next;
+} command;
+
+typedef struct torchmp_loop {
+    int kind;                  /* WATCH_CONTROL: the wake fd's watch */
+    pid_t owner_pid;
+    int backend;
+    torchmp_poller *poller;
+    /* epoll backend: the workers' pidfds, in an epoll set of their own that
+     * sits in `poller`.  Waiting callers watch it too, so an exit wakes them
+     * together with this thread rather than one wake-up after it. */
+    torchmp_poller *exits;
+    int exits_kind;            /* WATCH_EXITS: the exits set's watch */
+    int wake_r, wake_w;
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t cmd_done;
+    command *cmd_head, *cmd_tail;
+    torchmp_group *groups;
+    char *readbuf;
+    long pipe_budget;          /* pipe capacity we may still add to busy streams */
+    char *console_scratch;     /* framed console lines are assembled here */
+    char *filtered_scratch;
+    /* fd consoles (list changes under mu: Python reads the backlogs) */
+    console_entry *consoles;
+    /* streams whose framer has a deadline, and the earliest (a lower bound
+     * once streams leave the list: waking early costs one pass) */
+    struct stream *timed;
+    int64_t next_deadline_ns;
+    uint64_t stream_serial;
+    int consoles_polled;       /* some console waits on a timer, not the poller */
+    int use_vfork;
+    long max_fd;
+} torchmp_loop;
+
+/* ---- small helpers ------------------------------------------------------ */
+
+static inline int64_t clock_ns(clockid_t clk)
+{
+    struct timespec ts;
+    clock_gettime(clk, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static inline void close_fd(int *fd)
+{
+    if (*fd >= 0) {
+        close(*fd);
+        *fd = -1;
+    }
+}
+
+/* ---- loop_thread.c ------------------------------------------------------ */
+
+/* The loop of this process, created on first use (NULL with errno). */
+torchmp_loop *torchmp_loop_get(void);
+int torchmp_loop_submit(torchmp_loop *L, command *c, int wait_done);
+int torchmp_loop_notify_open(int *r, int *w);
+void torchmp_loop_notify_close(int *r, int *w);
+void torchmp_loop_notify_post(int w);
+
+/* ---- loop_streams.c ----------------------------------------------------- */
+
+int torchmp_loop_stream_open(torchmp_loop *L, torchmp_proc *p, int which, const torchmp_stream_spec *spec,
+                             int *child_fd);
+void torchmp_loop_stream_pump(torchmp_loop *L, stream *s, long limit);
+void torchmp_loop_stream_drain_buffered(torchmp_loop *L, stream *s);
+void torchmp_loop_stream_close(torchmp_loop *L, stream *s);
+void torchmp_loop_stream_free(torchmp_loop *L, stream *s);
+void torchmp_loop_streams_tick(torchmp_loop *L);
+int torchmp_loop_streams_timeout_ms(torchmp_loop *L);
+void torchmp_loop_console_entry_writable(torchmp_loop *L, console_entry *e);
+int torchmp_loop_consoles_poll(torchmp_loop *L);
+
+/* ---- loop_reap.c -------------------------------------------------------- */
+
+int torchmp_loop_rank_adopt(torchmp_loop *L, torchmp_proc *p, pid_t pid, int foreign, int64_t start,
+                            torchmp_exec_error *err);
+void torchmp_loop_proc_exit_event(torchmp_loop *L, torchmp_proc *p);
+void torchmp_loop_proc_foreign_exit(torchmp_loop *L, torchmp_proc *p, int at_eof);
+void torchmp_loop_reap_scan(torchmp_loop *L);
+void torchmp_loop_proc_reap_locked(torchmp_proc *p);
+
+/* ---- loop_groups.c ------------------------------------------------------ */
+
+int torchmp_loop_do_spawn(torchmp_loop *L, command *c);
+int torchmp_loop_do_prepare(torchmp_loop *L, command *c);
+int torchmp_loop_do_adopt(torchmp_loop *L, command *c);
+void torchmp_loop_do_finish(torchmp_loop *L, torchmp_group *g);
+void torchmp_loop_rank_streams_abort(torchmp_loop *L, torchmp_proc *p);
+void torchmp_loop_group_free(torchmp_group *g);
+void torchmp_loop_collect_groups(torchmp_loop *L);
+int torchmp_loop_group_is_ours(torchmp_group *g);
+
+#endif /* TORCHMP_LOOP_INTERNAL_H */

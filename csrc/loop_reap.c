@@ -1,0 +1,487 @@
+/*
+ * A rank's exit: how the loop learns of it (a pidfd in the exits set, a
+ * SIGCHLD scan on the poll backend, a forkserver's trailer), records it and
+ * wakes the callers waiting for it; and the zombie that pins the rank's
+ * process group id until torchmp lets it go, which is when signalling the
+ * group stops being safe.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include "loop_internal.h"
+
+#include <errno.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/time.h>
+#include <sys/wait.h>
+
+/* ---- exits -------------------------------------------------------------- */
+
+/* Wake every caller sleeping in torchmp_group_wait.  Caller holds mu. */
+static void group_notify_locked(torchmp_group *g)
+{
+    for (group_waiter *w = g->waiters; w != NULL; w = w->next)
+        torchmp_loop_notify_post(w->wake_w);
+}
+
+static int64_t timeval_ns(struct timeval tv)
+{
+    return (int64_t)tv.tv_sec * 1000000000LL + (int64_t)tv.tv_usec * 1000;
+}
+
+/* Record a rank's exit: first everything the worker wrote before it exited
+ * goes out, then the state flips and Python is woken.  unreaped: the zombie
+ * is still there (see torchmp_proc.unreaped). */
+static void proc_record_exit(torchmp_loop *L, torchmp_proc *p, int status, int64_t utime_ns, int64_t stime_ns,
+                             int64_t maxrss_kb, int status_lost, int unreaped)
+{
+    int64_t now_mono = clock_ns(CLOCK_MONOTONIC);
+    int64_t now_real = clock_ns(CLOCK_REALTIME);
+
+    p->exiting = 1;
+    for (int w = 0; w < STREAM_COUNT; w++)
+        torchmp_loop_stream_drain_buffered(L, &p->streams[w]);
+    if (p->pidfd >= 0) {
+        (void)torchmp_poller_del(L->exits, p->pidfd);
+        close_fd(&p->pidfd);
+    }
+    pthread_mutex_lock(&L->mu);
+    p->info.state = TORCHMP_PROC_EXITED;
+    p->info.wait_status = status;
+    p->info.status_lost = status_lost;
+    p->info.exit_mono_ns = now_mono;
+    p->info.exit_real_ns = now_real;
+    p->info.utime_ns = utime_ns;
+    p->info.stime_ns = stime_ns;
+    p->info.maxrss_kb = maxrss_kb;
+    p->info.out_log_errno = p->streams[STREAM_OUT].log_errno;
+    p->info.err_log_errno = p->streams[STREAM_ERR].log_errno;
+    p->unreaped = unreaped;
+    /* Nobody will signal this group again: a released group's exits, or a
+     * pid whose zombie is already gone (it may be recycled at any time). */
+    if (p->group->released || !unreaped)
+        torchmp_loop_proc_reap_locked(p);
+    p->group->version++;
+    group_notify_locked(p->group);
+    pthread_mutex_unlock(&L->mu);
+    p->group->running--;
+    p->exiting = 0;
+}
+
+/* The exit status of a worker in wait(2)'s encoding, from waitid's. */
+static int siginfo_wait_status(const siginfo_t *si)
+{
+    switch (si->si_code) {
+    case CLD_EXITED:
+        return (si->si_status & 0xff) << 8;
+    case CLD_KILLED:
+        return si->si_status & 0x7f;
+    case CLD_DUMPED:
+        return (si->si_status & 0x7f) | 0x80;
+    default:
+        return 255 << 8;
+    }
+}
+
+/* waitid(P_PID, pid, WEXITED | WNOHANG | WNOWAIT) with the zombie's rusage:
+ * Linux's system call takes a fifth argument that libc's wrapper hides, and
+ * fills it (self + waited-for children, as wait4 would) without reaping. */
+static int waitid_keep(pid_t pid, siginfo_t *si, struct rusage *ru)
+{
+#ifdef TORCHMP_HAVE_PIDFD
+    return (int)syscall(SYS_waitid, P_PID, (id_t)pid, si, WEXITED | WNOHANG | WNOWAIT, ru);
+#else
+    (void)ru; /* filled in when the zombie is reaped (torchmp_loop_proc_reap_locked) */
+    return waitid(P_PID, (id_t)pid, si, WEXITED | WNOHANG | WNOWAIT);
+#endif
+}
+
+int torchmp_collect_exit(pid_t pid, int *status, int64_t *utime_ns, int64_t *stime_ns, int64_t *maxrss_kb)
+{
+    struct rusage ru;
+    siginfo_t si;
+    int r;
+
+    memset(&ru, 0, sizeof(ru));
+    memset(&si, 0, sizeof(si));
+    do {
+        r = waitid_keep(pid, &si, &ru);
+    } while (r < 0 && errno == EINTR);
+    if (r < 0)
+        return -1;
+    if (si.si_pid == 0)
+        return 0;
+    *status = siginfo_wait_status(&si);
+    *utime_ns = timeval_ns(ru.ru_utime);
+    *stime_ns = timeval_ns(ru.ru_stime);
+    *maxrss_kb = ru.ru_maxrss;
+    return 1;
+}
+
+/* Record pid's exit if it has exited, keeping the zombie.  Returns 1 when
+ * recorded, 0 if still running. */
+static int proc_try_collect(torchmp_loop *L, torchmp_proc *p)
+{
+    int status = 0;
+    int64_t utime = 0, stime = 0, maxrss = 0;
+    int r = torchmp_collect_exit(p->info.pid, &status, &utime, &stime, &maxrss);
+
+    if (r < 0) {
+        /* ECHILD: somebody else in this process reaped our worker (a
+         * waitpid(-1) elsewhere).  The status is lost, and so is the pin. */
+        proc_record_exit(L, p, 255 << 8, 0, 0, 0, 1, 0);
+        return 1;
+    }
+    if (r == 0)
+        return 0;
+    proc_record_exit(L, p, status, utime, stime, maxrss, 0, 1);
+    return 1;
+}
+
+/* Let the zombie go: after this the pid and the process group id may be
+ * recycled, so nothing may signal them again.  A forkserver's worker is
+ * the forkserver's to reap: Python tells it (torchmp_group_reap).  Caller
+ * holds mu. */
+void torchmp_loop_proc_reap_locked(torchmp_proc *p)
+{
+    torchmp_keeper_remove(p->keeper_slot);
+    p->keeper_slot = 0;
+    if (!p->unreaped)
+        return;
+    p->unreaped = 0;
+    if (!p->foreign) {
+        struct rusage ru;
+        int status;
+        pid_t r;
+        memset(&ru, 0, sizeof(ru));
+        do {
+            r = wait4(p->info.pid, &status, WNOHANG, &ru);
+        } while (r < 0 && errno == EINTR);
+#ifndef TORCHMP_HAVE_PIDFD
+        if (r == p->info.pid) {
+            p->info.utime_ns = timeval_ns(ru.ru_utime);
+            p->info.stime_ns = timeval_ns(ru.ru_stime);
+            p->info.maxrss_kb = ru.ru_maxrss;
+        }
+#else
+        (void)r;
+#endif
+    }
+}
+
+/* A forkserver worker is not our child: its exit status arrives as a
+ * trailer the forkserver appends to the worker's return channel once it has
+ * reaped the worker.  The exit is recorded when the trailer is there and the
+ * worker is gone (its pidfd fired: a grandchild it forked may keep the
+ * channel open), or at the channel's EOF.  EOF without a trailer means the
+ * forkserver died. */
+void torchmp_loop_proc_foreign_exit(torchmp_loop *L, torchmp_proc *p, int at_eof)
+{
+    stream *s = &p->streams[STREAM_RET];
+    torchmp_exit_trailer t;
+    int found = 0;
+
+    if (p->exiting || p->info.state != TORCHMP_PROC_RUNNING)
+        return;
+    /* Bytes that merely look like a trailer count only once the worker is
+     * gone (the forkserver writes the trailer once it has exited).  Without
+     * a pidfd (poll backend) ask whether the pid is gone or a zombie. */
+    if (!at_eof && !p->foreign_gone && !torchmp_pid_exited(p->info.pid))
+        return;
+    pthread_mutex_lock(&L->mu);
+    if (s->capture_len >= sizeof(t) &&
+        memcmp(s->capture + s->capture_len - sizeof(t), TORCHMP_EXIT_TRAILER_MAGIC, 8) == 0) {
+        memcpy(&t, s->capture + s->capture_len - sizeof(t), sizeof(t));
+        s->capture_len -= sizeof(t);
+        found = 1;
+    }
+    pthread_mutex_unlock(&L->mu);
+    if (found)
+        proc_record_exit(L, p, (int)t.wait_status, t.utime_ns, t.stime_ns, t.maxrss_kb, 0, 1);
+    else if (at_eof)
+        proc_record_exit(L, p, SIGKILL, 0, 0, 0, 1, 0);
+}
+
+void torchmp_loop_reap_scan(torchmp_loop *L)
+{
+    for (torchmp_group *g = L->groups; g != NULL; g = g->next) {
+        for (int i = 0; i < g->nprocs && g->running > 0; i++) {
+            if (g->procs[i].info.state == TORCHMP_PROC_RUNNING && !g->procs[i].foreign)
+                (void)proc_try_collect(L, &g->procs[i]);
+        }
+    }
+}
+
+/* ---- watching ----------------------------------------------------------- */
+
+/* Start watching a forked worker.  On failure the worker is killed and
+ * reaped, and the rank's streams are closed. */
+int torchmp_loop_rank_adopt(torchmp_loop *L, torchmp_proc *p, pid_t pid, int foreign, int64_t start,
+                            torchmp_exec_error *err)
+{
+    p->foreign = foreign;
+#ifdef TORCHMP_HAVE_PIDFD
+    if (L->backend == TORCHMP_BACKEND_EPOLL) {
+        p->pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
+        if (p->pidfd >= 0 && torchmp_poller_add(L->exits, p->pidfd, p) != 0)
+            close_fd(&p->pidfd);
+        if (p->pidfd < 0 && foreign) {
+            /* Not our child, so nothing to kill or reap here: a worker that
+             * is already gone (ESRCH) has its trailer on the way; otherwise
+             * its exit shows as the trailer plus kill(pid, 0) == ESRCH. */
+            p->foreign_gone = errno == ESRCH;
+        } else if (p->pidfd < 0) {
+            int status;
+            err->step = TORCHMP_STEP_PIDFD;
+            err->errnum = errno;
+            kill(pid, SIGKILL);
+            while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
+                ;
+            torchmp_loop_rank_streams_abort(L, p);
+            errno = err->errnum;
+            return -1;
+        }
+    }
+#endif
+    pthread_mutex_lock(&L->mu);
+    p->info.pid = pid;
+    p->info.state = TORCHMP_PROC_RUNNING;
+    p->info.start_mono_ns = start;
+    p->keeper_slot = torchmp_keeper_add(pid);
+    pthread_mutex_unlock(&L->mu);
+    p->group->running++;
+    if (foreign) {
+        /* The worker may have run to completion before we got here: its
+         * trailer (or even its channel's EOF) may be in already. */
+        torchmp_loop_proc_foreign_exit(L, p, p->streams[STREAM_RET].fd < 0);
+    }
+    return 0;
+}
+
+/* A worker's pidfd fired. */
+void torchmp_loop_proc_exit_event(torchmp_loop *L, torchmp_proc *p)
+{
+    if (p->info.state != TORCHMP_PROC_RUNNING || p->pidfd < 0)
+        return;
+    if (p->foreign) {
+        /* Not ours to reap: wait for the forkserver's trailer. */
+        (void)torchmp_poller_del(L->exits, p->pidfd);
+        close_fd(&p->pidfd);
+        p->foreign_gone = 1;
+        torchmp_loop_stream_pump(L, &p->streams[STREAM_RET], -1);
+        torchmp_loop_proc_foreign_exit(L, p, 0);
+    } else {
+        (void)proc_try_collect(L, p);
+    }
+}
+
+/* ---- waiting ------------------------------------------------------------ */
+
+/* How long a waiting caller woken by a worker's exit polls for the I/O
+ * thread to record it.  Woken together, the I/O thread needs a few tens of
+ * microseconds; past this the caller sleeps on the notify fd alone. */
+#define EXIT_SPIN_NS 500000
+
+/* Whether a waiter that last saw `known` has something new.  Caller holds mu. */
+static int group_changed_locked(torchmp_group *g, uint64_t known)
+{
+    return g->version != known || g->interrupted;
+}
+
+static void waiter_unlink_locked(torchmp_group *g, group_waiter *me)
+{
+    for (group_waiter **link = &g->waiters; *link != NULL; link = &(*link)->next) {
+        if (*link == me) {
+            *link = me->next;
+            return;
+        }
+    }
+}
+
+int torchmp_group_wait(torchmp_group *g, int64_t timeout_ns, uint64_t known_version, int *watch_exits)
+{
+    torchmp_loop *L = g->loop;
+    int exits_fd = *watch_exits && L->exits != NULL ? torchmp_poller_fd(L->exits) : -1;
+    int64_t start = exits_fd >= 0 ? clock_ns(CLOCK_MONOTONIC) : 0;
+    int64_t now, until;
+    group_waiter me;
+    int rc, changed;
+
+    pthread_mutex_lock(&L->mu);
+    if (group_changed_locked(g, known_version)) {
+        pthread_mutex_unlock(&L->mu);
+        return 1;
+    }
+    pthread_mutex_unlock(&L->mu);
+    if (torchmp_loop_notify_open(&me.wake_r, &me.wake_w) != 0)
+        return -1;
+    pthread_mutex_lock(&L->mu);
+    changed = group_changed_locked(g, known_version);
+    if (!changed) {
+        me.next = g->waiters;
+        g->waiters = &me;
+    }
+    pthread_mutex_unlock(&L->mu);
+    if (changed) {
+        torchmp_loop_notify_close(&me.wake_r, &me.wake_w);
+        return 1;
+    }
+
+    rc = torchmp_wait_readable(me.wake_r, exits_fd, timeout_ns);
+    if (rc > 0 && !(rc & 1)) {
+        /* Some worker exited (maybe of another group): the I/O thread, woken
+         * at the same moment, is recording it.  Yield to it rather than
+         * sleep: a second wake-up costs as much as the whole record. */
+        now = clock_ns(CLOCK_MONOTONIC);
+        until = now + EXIT_SPIN_NS;
+        if (timeout_ns >= 0 && start + timeout_ns < until)
+            until = start + timeout_ns;
+        rc = 0;
+        while (now < until) {
+            sched_yield();
+            rc = torchmp_wait_readable(me.wake_r, -1, 0);
+            if (rc != 0)
+                break;
+            now = clock_ns(CLOCK_MONOTONIC);
+        }
+        /* Not ours, or still on its way (a forkserver worker's trailer, a
+         * busy I/O thread).  The exits set stays readable until the I/O
+         * thread has been through it: watching it again this call would
+         * spin. */
+        if (rc == 0)
+            *watch_exits = 0;
+    }
+    {
+        int saved = errno;
+        pthread_mutex_lock(&L->mu);
+        waiter_unlink_locked(g, &me);
+        changed = group_changed_locked(g, known_version);
+        pthread_mutex_unlock(&L->mu);
+        torchmp_loop_notify_close(&me.wake_r, &me.wake_w);
+        errno = saved;
+    }
+    if (changed)
+        return 1;
+    return rc < 0 ? -1 : 0;
+}
+
+void torchmp_group_interrupt(torchmp_group *g)
+{
+    torchmp_loop *L = g->loop;
+    pthread_mutex_lock(&L->mu);
+    g->interrupted = 1;
+    group_notify_locked(g);
+    pthread_mutex_unlock(&L->mu);
+}
+
+/* ---- signalling and reaping --------------------------------------------- */
+
+/* Whether torchmp may still signal rank p's process group: its leader is
+ * running, or is a zombie nobody has reaped.  Caller holds mu. */
+static int proc_pinned_locked(const torchmp_proc *p)
+{
+    return p->info.pid > 0 &&
+           (p->info.state == TORCHMP_PROC_RUNNING || (p->info.state == TORCHMP_PROC_EXITED && p->unreaped));
+}
+
+int torchmp_group_killpg(torchmp_group *g, int sig)
+{
+    torchmp_loop *L = g->loop;
+    int first_errno = 0;
+    if (!torchmp_loop_group_is_ours(g))
+        return -1;
+    /* Under mu, so no reap can slip in between the pinning check and the
+     * kill: a group id is signalled only while its leader's pid is ours. */
+    pthread_mutex_lock(&L->mu);
+    for (int i = 0; i < g->nprocs; i++) {
+        torchmp_proc *p = &g->procs[i];
+        pid_t pid = p->info.pid;
+        if (!proc_pinned_locked(p))
+            continue;
+        /* The worker calls setsid(), so its pid is its process group.  A
+         * worker forked a moment ago may not have got there yet: then the
+         * group does not exist, and the signal goes to the worker itself. */
+        if (kill(-pid, sig) != 0) {
+            int err = errno;
+            if (err == ESRCH && p->info.state == TORCHMP_PROC_RUNNING && kill(pid, sig) != 0)
+                err = errno;
+            else if (err == ESRCH)
+                err = 0;
+            if (err != 0 && err != ESRCH && first_errno == 0)
+                first_errno = err;
+        }
+    }
+    pthread_mutex_unlock(&L->mu);
+    if (first_errno != 0) {
+        errno = first_errno;
+        return -1;
+    }
+    return 0;
+}
+
+int torchmp_group_busy(torchmp_group *g, unsigned char *busy)
+{
+    torchmp_loop *L = g->loop;
+    pid_t *pgids;
+    int *ranks;
+    unsigned char *alive;
+    int n = 0, count = 0;
+
+    pgids = malloc(((size_t)g->nprocs + 1) * sizeof(pid_t));
+    ranks = malloc(((size_t)g->nprocs + 1) * sizeof(int));
+    alive = malloc((size_t)g->nprocs + 1);
+    if (pgids == NULL || ranks == NULL || alive == NULL) {
+        free(pgids);
+        free(ranks);
+        free(alive);
+        errno = ENOMEM;
+        return -1;
+    }
+    pthread_mutex_lock(&L->mu);
+    for (int i = 0; i < g->nprocs; i++) {
+        torchmp_proc *p = &g->procs[i];
+        busy[i] = p->info.state == TORCHMP_PROC_RUNNING;
+        count += busy[i];
+        if (!busy[i] && proc_pinned_locked(p)) {
+            pgids[n] = p->info.pid;
+            ranks[n++] = i;
+        }
+    }
+    pthread_mutex_unlock(&L->mu);
+    /* A group whose leader is a zombie: does anything else still live in
+     * it?  Without /proc (other systems) the answer is "no": the grace
+     * period then covers the leaders only. */
+    if (n > 0 && torchmp_pgroups_alive(pgids, n, alive) > 0) {
+        for (int j = 0; j < n; j++) {
+            busy[ranks[j]] = alive[j];
+            count += alive[j];
+        }
+    }
+    free(pgids);
+    free(ranks);
+    free(alive);
+    return count;
+}
+
+int torchmp_group_reap(torchmp_group *g, pid_t *foreign, int cap)
+{
+    torchmp_loop *L = g->loop;
+    int n = 0;
+    if (!torchmp_loop_group_is_ours(g))
+        return -1;
+    pthread_mutex_lock(&L->mu);
+    for (int i = 0; i < g->nprocs; i++) {
+        torchmp_proc *p = &g->procs[i];
+        if (p->info.state != TORCHMP_PROC_EXITED || !p->unreaped)
+            continue;
+        if (p->foreign && n < cap)
+            foreign[n++] = p->info.pid;
+        torchmp_loop_proc_reap_locked(p);
+    }
+    pthread_mutex_unlock(&L->mu);
+    return n;
+}

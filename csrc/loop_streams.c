@@ -1,0 +1,479 @@
+/*
+ * The loop's streams: a worker's stdout/stderr teed from a pipe into its log
+ * file, the console (framed lines, framer.c) and the filtered copy, or its
+ * return channel captured in memory; the last bytes kept for failure
+ * reports; the fd consoles (console.c) the launcher's fd 1 and 2 are
+ * written through.  Loop thread, except what `mu` guards for Python.
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include "loop_internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+
+/* ---- consoles ----------------------------------------------------------- */
+
+/* The console for what the launcher's fd refers to now (one per target), or
+ * NULL with errno.  Loop thread. */
+static console_entry *console_entry_for_fd(torchmp_loop *L, int fd)
+{
+    console_entry *e;
+    for (e = L->consoles; e != NULL; e = e->next) {
+        if (torchmp_console_same_target(e->console, fd)) {
+            e->users++;
+            return e;
+        }
+    }
+    e = calloc(1, sizeof(*e));
+    if (e == NULL)
+        return NULL;
+    e->kind = WATCH_CONSOLE;
+    e->console = torchmp_console_open_fd(fd);
+    if (e->console == NULL) {
+        int saved = errno;
+        free(e);
+        errno = saved;
+        return NULL;
+    }
+    e->users = 1;
+    pthread_mutex_lock(&L->mu);
+    e->next = L->consoles;
+    L->consoles = e;
+    pthread_mutex_unlock(&L->mu);
+    return e;
+}
+
+/* Free an fd console nobody writes to once it has nothing left to show. */
+static void console_entry_maybe_free(torchmp_loop *L, console_entry *e)
+{
+    console_entry **link;
+    if (e->users > 0 || e->watched)
+        return;
+    pthread_mutex_lock(&L->mu);
+    for (link = &L->consoles; *link != NULL; link = &(*link)->next) {
+        if (*link == e) {
+            *link = e->next;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&L->mu);
+    torchmp_console_unref(e->console);
+    free(e);
+}
+
+/* Bytes wait in the console: write the rest when its fd takes more. */
+static void console_entry_watch(torchmp_loop *L, console_entry *e)
+{
+    int fd;
+    if (e->watched)
+        return;
+    fd = torchmp_console_fd(e->console);
+    if (fd >= 0 && torchmp_poller_add_writable(L->poller, fd, e) == 0) {
+        e->watched = 1;
+        e->watched_fd = fd;
+        return;
+    }
+    /* A target epoll cannot watch (a regular file someone made
+     * non-blocking), or no memory: retry on a short timer instead. */
+    e->watched = -1;
+    L->consoles_polled = 1;
+}
+
+/* Pump the consoles that could not be watched; 1 while any still waits. */
+int torchmp_loop_consoles_poll(torchmp_loop *L)
+{
+    int left = 0;
+    console_entry *e, *next;
+    for (e = L->consoles; e != NULL; e = next) {
+        next = e->next;
+        if (e->watched == -1) {
+            torchmp_loop_console_entry_writable(L, e);
+            left = 1;
+        }
+    }
+    return left;
+}
+
+void torchmp_loop_console_entry_writable(torchmp_loop *L, console_entry *e)
+{
+    if (torchmp_console_pump(e->console))
+        return;
+    /* By the number it was registered with: a console that broke closed
+     * its fd already (epoll dropped it then; the poll backend has not). */
+    if (e->watched == 1)
+        (void)torchmp_poller_del(L->poller, e->watched_fd);
+    e->watched = 0;
+    console_entry_maybe_free(L, e);
+}
+
+/* ---- streams ------------------------------------------------------------ */
+
+static void timed_add(torchmp_loop *L, stream *s)
+{
+    int64_t d = s->framer.deadline_ns;
+    if (d == 0)
+        return;
+    if (!s->timed) {
+        s->timed = 1;
+        s->timed_prev = NULL;
+        s->timed_next = L->timed;
+        if (L->timed != NULL)
+            L->timed->timed_prev = s;
+        L->timed = s;
+    }
+    if (L->next_deadline_ns == 0 || d < L->next_deadline_ns)
+        L->next_deadline_ns = d;
+}
+
+static void timed_remove(torchmp_loop *L, stream *s)
+{
+    if (!s->timed)
+        return;
+    if (s->timed_prev != NULL)
+        s->timed_prev->timed_next = s->timed_next;
+    else
+        L->timed = s->timed_next;
+    if (s->timed_next != NULL)
+        s->timed_next->timed_prev = s->timed_prev;
+    s->timed = 0;
+    s->timed_prev = s->timed_next = NULL;
+}
+
+static torchmp_line_sinks stream_sinks(stream *s)
+{
+    torchmp_group *g = s->proc->group;
+    torchmp_line_sinks sinks;
+    sinks.console_buf = g->loop->console_scratch;
+    sinks.filtered_buf = g->loop->filtered_scratch;
+    sinks.scratch_cap = SCRATCH_SIZE;
+    sinks.console = s->console;
+    sinks.source = &s->source;
+    sinks.console_waiting = 0;
+    sinks.filtered_fd = &g->filtered_fd[s->which];
+    sinks.filtered_errno = &g->filtered_errno[s->which];
+    sinks.needles = g->has_needles[s->which] ? &g->needles[s->which] : NULL;
+    return sinks;
+}
+
+/* After the framer ran: arm its timer, and the console's writability. */
+static void stream_after_frame(torchmp_loop *L, stream *s, const torchmp_line_sinks *sinks)
+{
+    if (s->framer.deadline_ns != 0)
+        timed_add(L, s);
+    else
+        timed_remove(L, s);
+    if (sinks->console_waiting && s->console_entry != NULL)
+        console_entry_watch(L, s->console_entry);
+}
+
+static void capture_append(torchmp_loop *L, stream *s, const char *data, size_t len)
+{
+    pthread_mutex_lock(&L->mu);
+    if (s->capture_errno == 0 && s->capture_len + len > s->capture_cap) {
+        size_t cap = s->capture_cap ? s->capture_cap : 4096;
+        char *grown;
+        while (cap < s->capture_len + len)
+            cap *= 2;
+        grown = realloc(s->capture, cap);
+        if (grown == NULL) {
+            s->capture_errno = ENOMEM; /* reported as a failed return value */
+        } else {
+            s->capture = grown;
+            s->capture_cap = cap;
+        }
+    }
+    if (s->capture_errno == 0) {
+        memcpy(s->capture + s->capture_len, data, len);
+        s->capture_len += len;
+    }
+    pthread_mutex_unlock(&L->mu);
+}
+
+/* Keep the last tail_cap bytes: a failed rank's last words for its report,
+ * without reading the log file back.  Caller holds mu. */
+static void tail_append_locked(stream *s, const char *data, size_t len)
+{
+    size_t first;
+    if (len >= s->tail_cap) {
+        memcpy(s->tail, data + (len - s->tail_cap), s->tail_cap);
+        s->tail_len = s->tail_cap;
+        s->tail_end = 0;
+        return;
+    }
+    first = s->tail_cap - s->tail_end;
+    if (first > len)
+        first = len;
+    memcpy(s->tail + s->tail_end, data, first);
+    memcpy(s->tail, data + first, len - first);
+    s->tail_end = (s->tail_end + len) % s->tail_cap;
+    s->tail_len = s->tail_len + len > s->tail_cap ? s->tail_cap : s->tail_len + len;
+}
+
+static void stream_consume(torchmp_loop *L, stream *s, const char *data, size_t len)
+{
+    torchmp_line_sinks sinks;
+    int64_t now;
+    if (s->which == STREAM_RET) {
+        capture_append(L, s, data, len);
+        if (s->proc->foreign)
+            torchmp_loop_proc_foreign_exit(L, s->proc, 0);
+        return;
+    }
+    if (s->log_fd >= 0 && torchmp_write_all(s->log_fd, data, len) != 0) {
+        /* ENOSPC and friends: keep draining the pipe (the worker must not
+         * block) and keep the console going; Python reports log_errno. */
+        s->log_errno = errno;
+        close_fd(&s->log_fd);
+    }
+    now = clock_ns(CLOCK_MONOTONIC);
+    pthread_mutex_lock(&L->mu);
+    s->last_data_ns = now;
+    if (s->tail != NULL)
+        tail_append_locked(s, data, len);
+    pthread_mutex_unlock(&L->mu);
+    sinks = stream_sinks(s);
+    (void)torchmp_framer_feed(&s->framer, data, len, now, &sinks);
+    stream_after_frame(L, s, &sinks);
+}
+
+static void stream_flush_partial(torchmp_loop *L, stream *s)
+{
+    torchmp_line_sinks sinks;
+    if (s->which == STREAM_RET)
+        return;
+    sinks = stream_sinks(s);
+    torchmp_framer_flush(&s->framer, &sinks);
+    stream_after_frame(L, s, &sinks);
+}
+
+/* The framers whose time has come: idle partial lines, progress states. */
+void torchmp_loop_streams_tick(torchmp_loop *L)
+{
+    int64_t now = clock_ns(CLOCK_MONOTONIC);
+    stream *s, *next;
+    if (L->next_deadline_ns == 0 || now < L->next_deadline_ns)
+        return;
+    L->next_deadline_ns = 0;
+    for (s = L->timed; s != NULL; s = next) {
+        next = s->timed_next;
+        if (s->framer.deadline_ns != 0 && s->framer.deadline_ns <= now) {
+            torchmp_line_sinks sinks = stream_sinks(s);
+            torchmp_framer_tick(&s->framer, now, &sinks);
+            if (sinks.console_waiting && s->console_entry != NULL)
+                console_entry_watch(L, s->console_entry);
+        }
+        if (s->framer.deadline_ns == 0)
+            timed_remove(L, s);
+        else if (L->next_deadline_ns == 0 || s->framer.deadline_ns < L->next_deadline_ns)
+            L->next_deadline_ns = s->framer.deadline_ns;
+    }
+}
+
+/* poller timeout until the next framer deadline (-1: none). */
+int torchmp_loop_streams_timeout_ms(torchmp_loop *L)
+{
+    int64_t left;
+    if (L->next_deadline_ns == 0)
+        return -1;
+    left = L->next_deadline_ns - clock_ns(CLOCK_MONOTONIC);
+    if (left <= 0)
+        return 0;
+    return (int)((left + 999999) / 1000000);
+}
+
+
+static void stream_maybe_grow(torchmp_loop *L, stream *s, size_t just_read)
+{
+#ifdef F_SETPIPE_SZ
+    int got;
+    if (s->pipe_grown != 0 || just_read < DEFAULT_PIPE_SIZE || L->pipe_budget < BUSY_PIPE_SIZE)
+        return;
+    got = fcntl(s->fd, F_SETPIPE_SZ, BUSY_PIPE_SIZE);
+    if (got > DEFAULT_PIPE_SIZE) {
+        s->pipe_grown = got - DEFAULT_PIPE_SIZE;
+        L->pipe_budget -= s->pipe_grown;
+    } else {
+        s->pipe_grown = -1; /* EPERM past the user's limit: keep the default */
+    }
+#else
+    (void)L;
+    (void)s;
+    (void)just_read;
+#endif
+}
+
+void torchmp_loop_stream_close(torchmp_loop *L, stream *s)
+{
+    torchmp_proc *p = s->proc;
+    if (s->fd < 0)
+        return;
+    if (s->pipe_grown > 0) {
+        L->pipe_budget += s->pipe_grown;
+        s->pipe_grown = 0;
+    }
+    stream_flush_partial(L, s);
+    (void)torchmp_poller_del(L->poller, s->fd);
+    close_fd(&s->fd);
+    close_fd(&s->log_fd);
+    pthread_mutex_lock(&L->mu);
+    s->open = 0;
+    pthread_mutex_unlock(&L->mu);
+    p->group->open_streams--;
+    if (s->which == STREAM_RET && p->foreign && p->info.state == TORCHMP_PROC_RUNNING && !p->exiting)
+        torchmp_loop_proc_foreign_exit(L, p, 1);
+}
+
+/* Read what is there.  limit < 0: until EAGAIN or EOF (at most a few chunks,
+ * so one busy rank cannot starve the others); limit >= 0: exactly the bytes
+ * that were buffered when the worker exited -- a grandchild that keeps
+ * writing cannot delay the exit report. */
+void torchmp_loop_stream_pump(torchmp_loop *L, stream *s, long limit)
+{
+    int rounds = 0;
+    while (s->fd >= 0) {
+        size_t want = READ_CHUNK;
+        ssize_t n;
+        if (limit >= 0) {
+            if (limit == 0)
+                return;
+            if ((size_t)limit < want)
+                want = (size_t)limit;
+        } else if (rounds++ == 4) {
+            return;
+        }
+        n = read(s->fd, L->readbuf, want);
+        if (n > 0) {
+            stream_maybe_grow(L, s, (size_t)n);
+            stream_consume(L, s, L->readbuf, (size_t)n);
+            if (limit >= 0)
+                limit -= n;
+            continue;
+        }
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+            return;
+        torchmp_loop_stream_close(L, s); /* EOF or a read error */
+        return;
+    }
+}
+
+void torchmp_loop_stream_drain_buffered(torchmp_loop *L, stream *s)
+{
+    int avail = 0;
+    if (s->fd < 0)
+        return;
+    if (ioctl(s->fd, FIONREAD, &avail) != 0)
+        avail = READ_CHUNK;
+    torchmp_loop_stream_pump(L, s, avail);
+    if (s->fd >= 0)
+        stream_flush_partial(L, s);
+}
+
+void torchmp_loop_stream_free(torchmp_loop *L, stream *s)
+{
+    timed_remove(L, s);
+    torchmp_framer_free(&s->framer);
+    if (s->console_entry != NULL) {
+        s->console_entry->users--;
+        console_entry_maybe_free(L, s->console_entry);
+        s->console_entry = NULL;
+    } else {
+        torchmp_console_unref(s->console);
+    }
+    s->console = NULL;
+    free(s->log_path);
+    s->log_path = NULL;
+    free(s->prefix);
+    s->prefix = NULL;
+    free(s->capture);
+    s->capture = NULL;
+    free(s->tail);
+    s->tail = NULL;
+    s->tail_cap = s->tail_len = s->tail_end = 0;
+    s->capture_len = s->capture_cap = 0;
+}
+
+int torchmp_loop_stream_open(torchmp_loop *L, torchmp_proc *p, int which, const torchmp_stream_spec *spec,
+                             int *child_fd)
+{
+    stream *s = &p->streams[which];
+    int pfd[2];
+
+    *child_fd = -1;
+    if (spec->mode == TORCHMP_STREAM_FILE) {
+        *child_fd = spec->fd;
+        return 0;
+    }
+    if (spec->mode != TORCHMP_STREAM_TEE && spec->mode != TORCHMP_STREAM_CAPTURE)
+        return 0;
+
+    if (torchmp_pipe_cloexec(pfd) != 0)
+        return -1;
+    if (fcntl(pfd[0], F_SETFL, O_NONBLOCK) != 0)
+        goto fail;
+    if (spec->mode == TORCHMP_STREAM_TEE) {
+        if (spec->fd >= 0) {
+            s->log_fd = fcntl(spec->fd, F_DUPFD_CLOEXEC, 3);
+            if (s->log_fd < 0)
+                goto fail;
+        }
+        s->prefix = malloc(spec->prefix_len + 1);
+        if (s->prefix == NULL)
+            goto fail;
+        if (spec->prefix_len > 0)
+            memcpy(s->prefix, spec->prefix, spec->prefix_len);
+        s->prefix[spec->prefix_len] = '\0';
+        torchmp_framer_init(&s->framer, s->prefix, spec->prefix_len, MAX_LINE);
+        s->framer.timestamps = spec->timestamps;
+        if (spec->log_path != NULL) {
+            s->log_path = strdup(spec->log_path);
+            if (s->log_path == NULL)
+                goto fail;
+        }
+        if (spec->sink != NULL) {
+            s->console = torchmp_console_ref(spec->sink);
+        } else if (spec->console == 1 || spec->console == 2) {
+            s->console_entry = console_entry_for_fd(L, spec->console);
+            if (s->console_entry == NULL)
+                goto fail;
+            s->console = s->console_entry->console;
+        }
+        s->source.id = ++L->stream_serial;
+        s->source.prefix = s->prefix;
+        s->source.prefix_len = spec->prefix_len;
+        s->source.log_path = s->log_path;
+        s->source.limit = spec->backlog_limit;
+        if (spec->tail_bytes > 0) {
+            s->tail = malloc(spec->tail_bytes);
+            if (s->tail == NULL)
+                goto fail;
+            s->tail_cap = spec->tail_bytes;
+        }
+    }
+    if (torchmp_poller_add(L->poller, pfd[0], s) != 0)
+        goto fail;
+    s->fd = pfd[0];
+    pthread_mutex_lock(&L->mu);
+    s->open = 1;
+    pthread_mutex_unlock(&L->mu);
+    p->group->open_streams++;
+    *child_fd = pfd[1];
+    return 0;
+
+fail:
+    {
+        int saved = errno;
+        close(pfd[0]);
+        close(pfd[1]);
+        close_fd(&s->log_fd);
+        torchmp_loop_stream_free(L, s);
+        errno = saved;
+        return -1;
+    }
+}

@@ -1,0 +1,445 @@
+/*
+ * The process-wide I/O thread.
+ *
+ * Why one thread per process (not per context): no extra threads whatever the
+ * number of contexts or ranks; and every worker is forked from this thread,
+ * which lives as long as the process, because PR_SET_PDEATHSIG fires when the
+ * *forking thread* exits -- forking from a short-lived caller thread would
+ * kill the workers when that thread ends.
+ *
+ * The thread blocks every signal (so the launcher's Python handlers run on
+ * the main thread, and vfork is safe here) and waits on one readiness set:
+ * a control fd (commands from Python), each teed pipe, and with the epoll
+ * backend a pidfd per worker (in a nested epoll set that waiting callers
+ * watch as well).  With the poll backend, exits arrive as a SIGCHLD whose
+ * handler writes to the control fd.
+ *
+ * This file: the thread and the command queue Python talks to it through,
+ * the wake-up channels and SIGCHLD handler, loop creation (once per process,
+ * again in a forked child), and the loop-wide public calls.  The rest of the
+ * loop is in loop_streams.c, loop_reap.c and loop_groups.c (loop_internal.h).
+ */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include "loop_internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef TORCHMP_HAVE_EVENTFD
+#include <sys/eventfd.h>
+#endif
+
+#define MAX_EVENTS 256
+
+static torchmp_loop *the_loop;
+
+/* ---- wake-up channels --------------------------------------------------- */
+
+/* A wakeup channel: an eventfd, or a non-blocking pipe where there is none. */
+int torchmp_loop_notify_open(int *r, int *w)
+{
+#ifdef TORCHMP_HAVE_EVENTFD
+    int fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (fd < 0)
+        return -1;
+    *r = *w = fd;
+    return 0;
+#else
+    int p[2];
+    if (pipe(p) != 0)
+        return -1;
+    for (int i = 0; i < 2; i++) {
+        int fl = fcntl(p[i], F_GETFL);
+        if (fl < 0 || fcntl(p[i], F_SETFL, fl | O_NONBLOCK) != 0 ||
+            fcntl(p[i], F_SETFD, FD_CLOEXEC) != 0) {
+            int saved = errno;
+            close(p[0]);
+            close(p[1]);
+            errno = saved;
+            return -1;
+        }
+    }
+    *r = p[0];
+    *w = p[1];
+    return 0;
+#endif
+}
+
+void torchmp_loop_notify_close(int *r, int *w)
+{
+    if (*w != *r)
+        close_fd(w);
+    close_fd(r);
+    *w = -1;
+}
+
+/* Async-signal-safe: also called from the SIGCHLD handler. */
+void torchmp_loop_notify_post(int w)
+{
+    int saved = errno;
+#ifdef TORCHMP_HAVE_EVENTFD
+    uint64_t one = 1;
+    ssize_t n = write(w, &one, sizeof(one));
+#else
+    char one = 1;
+    ssize_t n = write(w, &one, 1);
+#endif
+    (void)n; /* EAGAIN: already signalled, which is all we need */
+    errno = saved;
+}
+
+static void notify_drain(int r)
+{
+    char buf[64];
+    while (read(r, buf, sizeof(buf)) > 0)
+        ;
+}
+
+/* ---- SIGCHLD for the poll backend --------------------------------------- */
+
+static struct sigaction previous_sigchld;
+static volatile int sigchld_wake_fd = -1;
+
+static void on_sigchld(int sig, siginfo_t *info, void *ctx)
+{
+    int fd = sigchld_wake_fd;
+    if (fd >= 0)
+        torchmp_loop_notify_post(fd);
+    /* Chain to whatever handler was there before us. */
+    if (previous_sigchld.sa_flags & SA_SIGINFO) {
+        if (previous_sigchld.sa_sigaction != NULL)
+            previous_sigchld.sa_sigaction(sig, info, ctx);
+    } else if (previous_sigchld.sa_handler != SIG_DFL && previous_sigchld.sa_handler != SIG_IGN &&
+               previous_sigchld.sa_handler != NULL) {
+        previous_sigchld.sa_handler(sig);
+    }
+}
+
+static int install_sigchld(int wake_fd)
+{
+    struct sigaction sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_sigaction = on_sigchld;
+    sa.sa_flags = SA_SIGINFO | SA_RESTART | SA_NOCLDSTOP;
+    sigemptyset(&sa.sa_mask);
+    sigchld_wake_fd = wake_fd;
+    return sigaction(SIGCHLD, &sa, &previous_sigchld);
+}
+
+/* ---- the thread --------------------------------------------------------- */
+
+static void run_commands(torchmp_loop *L)
+{
+    for (;;) {
+        command *c;
+        pthread_mutex_lock(&L->mu);
+        c = L->cmd_head;
+        if (c != NULL) {
+            L->cmd_head = c->next;
+            if (L->cmd_head == NULL)
+                L->cmd_tail = NULL;
+        }
+        pthread_mutex_unlock(&L->mu);
+        if (c == NULL)
+            return;
+
+        switch (c->type) {
+        case CMD_SPAWN:
+            c->result = torchmp_loop_do_spawn(L, c);
+            break;
+        case CMD_FINISH:
+            torchmp_loop_do_finish(L, c->group);
+            c->result = 0;
+            break;
+        case CMD_PREPARE:
+            c->result = torchmp_loop_do_prepare(L, c);
+            break;
+        case CMD_ADOPT:
+            c->result = torchmp_loop_do_adopt(L, c);
+            break;
+        case CMD_DROP_UNSTARTED:
+            for (int i = 0; i < c->group->nprocs; i++) {
+                if (c->group->procs[i].info.state == TORCHMP_PROC_UNSTARTED)
+                    torchmp_loop_rank_streams_abort(L, &c->group->procs[i]);
+            }
+            c->result = 0;
+            break;
+        case CMD_RELEASE:
+            c->group->released = 1;
+            /* Python signals the group no more: let its zombies go. */
+            pthread_mutex_lock(&L->mu);
+            for (int i = 0; i < c->group->nprocs; i++) {
+                if (c->group->procs[i].info.state == TORCHMP_PROC_EXITED)
+                    torchmp_loop_proc_reap_locked(&c->group->procs[i]);
+            }
+            pthread_mutex_unlock(&L->mu);
+            if (!c->group->linked)
+                torchmp_loop_group_free(c->group); /* never spawned: nothing to watch */
+            free(c);
+            continue; /* nobody waits for a release */
+        }
+        pthread_mutex_lock(&L->mu);
+        __atomic_store_n(&c->done, 1, __ATOMIC_RELEASE);
+        pthread_cond_broadcast(&L->cmd_done);
+        pthread_mutex_unlock(&L->mu);
+    }
+}
+
+static void *loop_main(void *arg)
+{
+    torchmp_loop *L = arg;
+    torchmp_event events[MAX_EVENTS];
+    torchmp_event exit_events[MAX_EVENTS];
+
+    for (;;) {
+        int timeout = torchmp_loop_streams_timeout_ms(L);
+        int n;
+        if (L->consoles_polled && (timeout < 0 || timeout > 10))
+            timeout = 10;
+        n = torchmp_poller_wait(L->poller, events, MAX_EVENTS, timeout);
+        if (n < 0) {
+            /* EBADF/EINVAL would mean our own bookkeeping broke; ENOMEM is
+             * transient.  Never spin hot. */
+            struct timespec ts = {0, 1000000};
+            nanosleep(&ts, NULL);
+            continue;
+        }
+        for (int i = 0; i < n; i++) {
+            int kind = *(int *)events[i].ptr;
+            if (kind == WATCH_CONTROL) {
+                notify_drain(L->wake_r);
+                run_commands(L);
+                /* After the commands: a worker adopted just now may already
+                 * have exited, its SIGCHLD spent on this very wake-up. */
+                if (L->backend == TORCHMP_BACKEND_POLL)
+                    torchmp_loop_reap_scan(L);
+            } else if (kind == WATCH_STREAM) {
+                stream *s = events[i].ptr;
+                if (s->fd >= 0)
+                    torchmp_loop_stream_pump(L, s, -1);
+            } else if (kind == WATCH_CONSOLE) {
+                torchmp_loop_console_entry_writable(L, events[i].ptr);
+            } else if (kind == WATCH_EXITS) {
+                /* Level-triggered: exits beyond MAX_EVENTS show up next round. */
+                int m = torchmp_poller_wait(L->exits, exit_events, MAX_EVENTS, 0);
+                for (int j = 0; j < m; j++)
+                    torchmp_loop_proc_exit_event(L, exit_events[j].ptr);
+            }
+        }
+        torchmp_loop_streams_tick(L);
+        if (L->consoles_polled)
+            L->consoles_polled = torchmp_loop_consoles_poll(L);
+        torchmp_loop_collect_groups(L);
+    }
+    return NULL;
+}
+
+static int choose_backend(void)
+{
+    const char *forced = getenv("TORCHMP_BACKEND");
+    if (forced != NULL && strcmp(forced, "poll") == 0)
+        return TORCHMP_BACKEND_POLL;
+#if defined(TORCHMP_HAVE_EPOLL) && defined(TORCHMP_HAVE_PIDFD)
+    {
+        /* pidfd_open arrived in Linux 5.3: probe it on ourselves. */
+        int fd = (int)syscall(SYS_pidfd_open, getpid(), 0);
+        if (fd >= 0) {
+            close(fd);
+            return TORCHMP_BACKEND_EPOLL;
+        }
+    }
+#endif
+    return TORCHMP_BACKEND_POLL;
+}
+
+static torchmp_loop *loop_create(void)
+{
+    torchmp_loop *L = calloc(1, sizeof(*L));
+    sigset_t all, old;
+    const char *no_vfork;
+    int saved;
+
+    if (L == NULL)
+        return NULL;
+    L->kind = WATCH_CONTROL;
+    L->exits_kind = WATCH_EXITS;
+    L->owner_pid = getpid();
+    L->wake_r = L->wake_w = -1;
+    L->backend = choose_backend();
+    L->pipe_budget = PIPE_GROWTH_BUDGET;
+    L->max_fd = sysconf(_SC_OPEN_MAX);
+    if (L->max_fd <= 0 || L->max_fd > (1L << 20))
+        L->max_fd = 1L << 20;
+    no_vfork = getenv("TORCHMP_NO_VFORK");
+#ifdef TORCHMP_HAVE_VFORK
+    L->use_vfork = !(no_vfork != NULL && no_vfork[0] != '\0' && strcmp(no_vfork, "0") != 0);
+#else
+    (void)no_vfork;
+    L->use_vfork = 0;
+#endif
+
+    L->readbuf = malloc(READ_CHUNK);
+    L->console_scratch = malloc(SCRATCH_SIZE);
+    L->filtered_scratch = malloc(SCRATCH_SIZE);
+    if (L->readbuf == NULL || L->console_scratch == NULL || L->filtered_scratch == NULL)
+        goto fail;
+    /* Before the I/O thread exists: one thread fewer to fork.  Without a
+     * keeper (fork failed) workers still die with the launcher by PDEATHSIG;
+     * only their own children would be left. */
+    (void)torchmp_keeper_start();
+    torchmp_procscan_init();
+    if (torchmp_loop_notify_open(&L->wake_r, &L->wake_w) != 0)
+        goto fail;
+    L->poller = torchmp_poller_new(L->backend);
+    if (L->poller == NULL)
+        goto fail;
+    if (torchmp_poller_add(L->poller, L->wake_r, L) != 0)
+        goto fail;
+    if (L->backend == TORCHMP_BACKEND_EPOLL) {
+        L->exits = torchmp_poller_new(TORCHMP_BACKEND_EPOLL);
+        if (L->exits == NULL ||
+            torchmp_poller_add(L->poller, torchmp_poller_fd(L->exits), &L->exits_kind) != 0)
+            goto fail;
+    }
+    if (pthread_mutex_init(&L->mu, NULL) != 0)
+        goto fail;
+    if (pthread_cond_init(&L->cmd_done, NULL) != 0) {
+        pthread_mutex_destroy(&L->mu);
+        goto fail;
+    }
+    if (L->backend == TORCHMP_BACKEND_POLL && install_sigchld(L->wake_w) != 0)
+        goto fail_sync;
+
+    /* The thread starts with every signal blocked. */
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    saved = pthread_create(&L->thread, NULL, loop_main, L);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (saved != 0) {
+        errno = saved;
+        goto fail_sync;
+    }
+#ifdef __linux__
+    pthread_setname_np(L->thread, "torchmp-io");
+#endif
+    pthread_detach(L->thread);
+    return L;
+
+fail_sync:
+    saved = errno;
+    pthread_cond_destroy(&L->cmd_done);
+    pthread_mutex_destroy(&L->mu);
+    errno = saved;
+fail:
+    saved = errno;
+    if (L->backend == TORCHMP_BACKEND_POLL && sigchld_wake_fd == L->wake_w && L->wake_w >= 0) {
+        sigaction(SIGCHLD, &previous_sigchld, NULL);
+        sigchld_wake_fd = -1;
+    }
+    torchmp_poller_free(L->exits);
+    torchmp_poller_free(L->poller);
+    torchmp_loop_notify_close(&L->wake_r, &L->wake_w);
+    free(L->readbuf);
+    free(L->console_scratch);
+    free(L->filtered_scratch);
+    free(L);
+    errno = saved;
+    return NULL;
+}
+
+/* The loop of this process.  After a fork the child has no I/O thread: it
+ * gets a loop of its own, and the parent's state (whose mutex may have been
+ * held by a thread that no longer exists) is abandoned, not touched. */
+torchmp_loop *torchmp_loop_get(void)
+{
+    if (the_loop != NULL && the_loop->owner_pid == getpid())
+        return the_loop;
+    the_loop = loop_create();
+    return the_loop;
+}
+
+int torchmp_loop_backend(void)
+{
+    torchmp_loop *L = torchmp_loop_get();
+    return L == NULL ? -1 : L->backend;
+}
+
+int torchmp_loop_fd_count(void)
+{
+    torchmp_loop *L = torchmp_loop_get();
+    if (L == NULL)
+        return -1;
+    /* The fds in the poller (the exits set's epoll fd and consoles waiting
+     * to write among them), the pidfds in the exits set, the poller's own
+     * epoll fd, the consoles not in the poller. */
+    int n = torchmp_poller_fd_count(L->poller) + (L->exits != NULL ? torchmp_poller_fd_count(L->exits) : 0) +
+            (L->backend == TORCHMP_BACKEND_EPOLL ? 1 : 0) + (L->wake_w != L->wake_r ? 1 : 0);
+    pthread_mutex_lock(&L->mu);
+    for (console_entry *e = L->consoles; e != NULL; e = e->next) {
+        if (e->watched != 1 && torchmp_console_fd(e->console) >= 0)
+            n++;
+    }
+    pthread_mutex_unlock(&L->mu);
+    return n;
+}
+
+size_t torchmp_consoles_pending(int fd)
+{
+    torchmp_loop *L = the_loop;
+    size_t n = 0;
+    if (L == NULL || L->owner_pid != getpid())
+        return 0;
+    pthread_mutex_lock(&L->mu);
+    for (console_entry *e = L->consoles; e != NULL; e = e->next) {
+        if (fd < 0 || torchmp_console_same_target(e->console, fd))
+            n += torchmp_console_pending(e->console);
+    }
+    pthread_mutex_unlock(&L->mu);
+    return n;
+}
+
+#define SUBMIT_SPIN_NS 200000
+
+/* Queue a command and wait for the loop to run it (unless it is a release). */
+int torchmp_loop_submit(torchmp_loop *L, command *c, int wait_done)
+{
+    c->next = NULL;
+    c->done = 0;
+    pthread_mutex_lock(&L->mu);
+    if (L->cmd_tail != NULL)
+        L->cmd_tail->next = c;
+    else
+        L->cmd_head = c;
+    L->cmd_tail = c;
+    pthread_mutex_unlock(&L->mu);
+    torchmp_loop_notify_post(L->wake_w);
+    if (!wait_done)
+        return 0;
+    /* Most commands take the loop tens of microseconds: polling that long
+     * saves a futex sleep and wake-up that cost as much again (a 70 us round
+     * trip becomes 18 us).  It must yield, not spin: the scheduler tends to
+     * wake the loop thread on this very CPU. */
+    {
+        int64_t spin_until = clock_ns(CLOCK_MONOTONIC) + SUBMIT_SPIN_NS;
+        while (!__atomic_load_n(&c->done, __ATOMIC_ACQUIRE) && clock_ns(CLOCK_MONOTONIC) < spin_until)
+            sched_yield();
+        if (__atomic_load_n(&c->done, __ATOMIC_ACQUIRE)) {
+            /* The loop may still hold mu from setting done: c lives on our
+             * stack, so wait for it to let go before returning. */
+            pthread_mutex_lock(&L->mu);
+            pthread_mutex_unlock(&L->mu);
+            return 0;
+        }
+    }
+    pthread_mutex_lock(&L->mu);
+    while (!c->done)
+        pthread_cond_wait(&L->cmd_done, &L->mu);
+    pthread_mutex_unlock(&L->mu);
+    return 0;
+}
