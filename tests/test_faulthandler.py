@@ -150,10 +150,11 @@ SHOW = "import os, faulthandler; print(repr(os.environ.get('PYTHONFAULTHANDLER')
     (["--no-faulthandler"], {"PYTHONFAULTHANDLER": "1"}, "'1' True"),
 ])
 def test_what_the_rank_sees(tmp_path, args, env, expected):
-    code, out, err = run_cli(["-n", "2", "--no-summary", "--log-dir", str(tmp_path / "logs"), *args,
-                              "--", sys.executable, "-c", SHOW], cwd=tmp_path, env=env)
+    # --name: the default name is the interpreter's base name (python, python3, ...)
+    code, out, err = run_cli(["-n", "2", "--no-summary", "--name", "job", "--log-dir", str(tmp_path / "logs"),
+                              *args, "--", sys.executable, "-c", SHOW], cwd=tmp_path, env=env)
     assert code == 0, err
-    assert sorted(out.splitlines()) == [f"[python0]:{expected}", f"[python1]:{expected}"]
+    assert sorted(out.splitlines()) == [f"[job0]:{expected}", f"[job1]:{expected}"]
 
 
 def test_library_keeps_the_environment_as_given(tmp_path, monkeypatch):

@@ -90,9 +90,16 @@ def test_signal_death_keeps_its_message_and_shows_the_tail(tmp_path):
 
 
 def test_error_file_wins_over_the_tail(tmp_path):
-    code = ("import sys\nfrom torchmp.errors import record\n"
-            "@record\ndef main():\n    raise KeyError('recorded')\nmain()\n")
-    _, result = _run(tmp_path, {0: code}, tee=Std.ALL)
+    # A script file, not -c: the worker's sys.path[0] is then the script's
+    # folder, not the cwd (a source checkout there would shadow torchmp).
+    script = tmp_path / "recorded.py"
+    script.write_text("import sys\nfrom torchmp.errors import record\n"
+                      "@record\ndef main():\n    raise KeyError('recorded')\nmain()\n")
+    ctx = launch(sys.executable, {0: (str(script),)}, log_dir=tmp_path / "logs", tee=Std.ALL)
+    try:
+        result = ctx.wait(60)
+    finally:
+        ctx.close()
     failure = result.failures[0]
     assert failure.error_file.endswith("error.json")
     assert failure.message["message"] == failure.headline == "KeyError: 'recorded'"
