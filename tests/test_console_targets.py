@@ -158,6 +158,9 @@ def test_the_forwarding_thread_writes_while_the_launcher_sleeps(tmp_path):
         assert sink.threads == {"torchmp-console"}
     finally:
         ctx.close(timeout=1)
+    # close() of the last context with an object console ends the thread
+    # before it returns: nothing of ours keeps running behind the caller.
+    assert "torchmp-console" not in {t.name for t in threading.enumerate()}
 
 
 # -- standard fds closed at start ---------------------------------------------------

@@ -203,6 +203,9 @@ class _ForwardingThread:
 
 _thread: _ForwardingThread | None = None
 _lock = threading.Lock()
+# Bounds the wait for the forwarding thread to end: it is stuck only if a
+# console's write() is (then it is the console's problem, not close()'s).
+_THREAD_END_WAIT_S = 1.0
 
 
 def _forget_thread_after_fork() -> None:
@@ -237,7 +240,13 @@ class Forwarder:
             with _lock:
                 for c in self.consoles:
                     self.thread.consoles.pop(c.queue.fileno(), None)
+                last = not self.thread.consoles
                 self.thread.wake()
+            # The last context gone: the thread ends now, not some time after
+            # close() returned, so a closed context leaves no thread behind.
+            # It only has to wake, see no consoles and close its pipe.
+            if last and self.thread.thread is not threading.current_thread():
+                self.thread.thread.join(_THREAD_END_WAIT_S)
         for c in self.consoles:
             c.pump()
 
