@@ -1,0 +1,430 @@
+"""``torchmp run``'s command line: the parser and the launch plan, every
+option checked before anything starts (see :mod:`torchmp.cli`)."""
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import re
+import signal
+import socket
+import string
+import sys
+import tempfile
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from torchmp import _console
+from torchmp._inputs import stderr_tail_bound
+from torchmp.logs_specs import DefaultLogsSpecs, LogsDest, Std, to_map
+from torchmp._cli_console import _say, _write_console
+
+PROG = "torchmp run"
+
+#: Fields a ``--prefix`` template may use.
+PREFIX_FIELDS = ("name", "rank", "local_rank", "pid", "host")
+DEFAULT_PREFIX = "[{name}{rank}]:"
+
+#: The signal that asks ``torchmp run`` for a hang report (unless
+#: TORCHELASTIC_SIGNALS_TO_HANDLE names it: then it stops the job).
+REPORT_SIGNAL = signal.SIGUSR2
+
+#: Set in every rank (unless already set, or --no-faulthandler): CPython then
+#: enables faulthandler at startup, so a fatal signal prints the Python stack.
+FAULTHANDLER_VAR = "PYTHONFAULTHANDLER"
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _SetupError(Exception):
+    """Something torchmp run needs could not be made (nothing was started);
+    ``str()`` is the whole message."""
+
+
+# ---------------------------------------------------------------------------
+# Parsing
+
+
+class _Parser(argparse.ArgumentParser):
+    def _print_message(self, message: str, file: Any = None) -> None:
+        # argparse swallows a failed write, but what a block-buffered stdout
+        # holds is written by the interpreter's last flush: failing there, it
+        # prints "Exception ignored ..." and exits 120 instead of 0 or 2.
+        if message:
+            _write_console(file or sys.stderr, message)
+
+    def error(self, message: str) -> NoReturn:
+        # argparse's own format ("usage: ...", "prog: error: ..."), exit code 2.
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    p = _Parser(
+        prog=prog,
+        usage=f"{prog} -n N [options] -- COMMAND [ARGS...]",
+        description=(
+            "Launch N copies of COMMAND on this host, with torchrun's environment "
+            "variables, teed and prefixed output, log files, fail-fast, the "
+            "failure report and a summary table."
+        ),
+        epilog=(
+            "Exit status: 0 if every rank succeeded; else the root-cause rank's exit "
+            "code, or 128+N if it died by signal N (as srun); 128+N if torchmp run "
+            "itself got signal N; 2 for bad usage; 127/126 if COMMAND cannot be found/run.  "
+            f"{REPORT_SIGNAL.name} to torchmp run prints where each rank is (a hang report), "
+            "stopping nothing."
+        ),
+    )
+    p.add_argument("-n", "--nproc", "--nproc-per-node", dest="nproc", type=int, required=True,
+                   metavar="N", help="number of copies (local ranks) to start on this host")
+    p.add_argument("--name", default=None,
+                   help="the job's name, used in prefixes and the failure report "
+                        "(default: the command's base name)")
+    p.add_argument("--log-dir", default=None, metavar="DIR",
+                   help="base directory for log files (default: a fresh directory under "
+                        f"{tempfile.gettempdir()}); the run's directory is printed to stderr; "
+                        f"{os.devnull} writes no files")
+    p.add_argument("--redirects", default="0", metavar="SPEC",
+                   help="streams written to the log files only: 0=none 1=stdout 2=stderr 3=both, "
+                        "or per local rank as '0:3,1:0' (default: 0)")
+    p.add_argument("--tee", default=None, metavar="SPEC",
+                   help="streams written to the log files and, prefixed, to the console "
+                        "(same syntax; default: every stream that is not in --redirects)")
+    p.add_argument("--local-ranks-filter", default=None, metavar="RANKS",
+                   help="only these local ranks (e.g. '0,2') reach the console; the log files "
+                        "are written for every rank")
+    p.add_argument("--prefix", default=DEFAULT_PREFIX, metavar="TEMPLATE",
+                   help="console line prefix, a str.format template with the fields "
+                        "{name} {rank} {local_rank} {pid} {host}; {pid} is the pid of "
+                        f"torchmp run itself (the workers do not exist yet) (default: "
+                        f"'{DEFAULT_PREFIX}')")
+    p.add_argument("--timestamps", action="store_true",
+                   help="stamp every teed console line, after its prefix, with the UTC time "
+                        "it was read (e.g. 2026-11-29T09:54:05.123Z); the log files keep the "
+                        "workers' exact bytes")
+    p.add_argument("--console-backlog", default=None, metavar="SIZE",
+                   help="how much of each teed stream may wait for a console that falls "
+                        "behind (a stalled pipe or terminal) before whole lines are left out "
+                        "of the console -- never out of the log files -- with a marker line "
+                        "saying how many (e.g. 16M, 512K, 0; default 4M, or "
+                        "$TORCHMP_CONSOLE_BACKLOG)")
+    p.add_argument("--stderr-tail", type=int, default=None, metavar="LINES",
+                   help="how many of a failed rank's last stderr lines its failure report and "
+                        "summary row use when it left no error file (default 20, or "
+                        "$TORCHMP_STDERR_TAIL; 0: none)")
+    p.add_argument("--start-method", default="spawn", choices=("spawn", "fork", "forkserver"),
+                   help="accepted for torchrun compatibility; it only matters for Python "
+                        "function entrypoints, and torchmp run starts binaries (fork+exec)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="set an environment variable in every rank (repeatable; applied last, "
+                        "so it can override the ones torchmp run sets)")
+    p.add_argument("--no-summary", dest="summary", action="store_false",
+                   help="do not print the end-of-run summary table")
+    p.add_argument("--no-faulthandler", dest="faulthandler", action="store_false",
+                   help=f"do not set {FAULTHANDLER_VAR}=1 in the ranks (by default it is set unless "
+                        "torchmp run's environment or --env sets it, so a Python rank killed by "
+                        "SIGSEGV, SIGABRT, SIGBUS, SIGFPE or SIGILL prints its Python stack to its "
+                        "stderr)")
+    p.add_argument("--hang-report-after", type=float, default=None, metavar="SECONDS",
+                   help="when no rank has written any output for SECONDS, print where each "
+                        f"rank is (the hang report {REPORT_SIGNAL.name} asks for), once per "
+                        "silence: again only after new output and another SECONDS of silence")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="when torchmp run gets a signal, how long the workers get to exit "
+                        "after it is passed on to them, before SIGKILL (default: 30; the "
+                        "fail-fast shutdown after a rank fails always allows 30)")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="number of hosts in the job (default: 1); each host runs its own "
+                        "torchmp run with the same --master-addr/--master-port")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this host's index in 0..nnodes-1 (default: 0); "
+                        "RANK = node_rank * N + LOCAL_RANK")
+    p.add_argument("--master-addr", default=None,
+                   help="MASTER_ADDR for the ranks (default: 127.0.0.1; required if --nnodes > 1)")
+    p.add_argument("--master-port", type=int, default=None,
+                   help="MASTER_PORT for the ranks (default: a free port on 127.0.0.1; "
+                        "required if --nnodes > 1)")
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND",
+                   help="the program to run and its arguments (after '--')")
+    return p
+
+
+def _split_command(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """Split at the first ``--``: (options, command), command None if absent."""
+    try:
+        i = argv.index("--")
+    except ValueError:
+        return argv, None
+    return argv[:i], argv[i + 1:]
+
+
+def _parse_std(text: str, nproc: int, option: str) -> dict[int, Std]:
+    try:
+        setting = Std.from_str(text)
+    except ValueError as e:
+        raise _UsageError(f"{option}: {e}") from None
+    if isinstance(setting, dict):
+        bad = sorted(r for r in setting if r >= nproc)
+        if bad:
+            raise _UsageError(
+                f"{option}: local rank {bad[0]} is out of range 0..{nproc - 1} in {text!r}")
+    return to_map(setting, nproc)
+
+
+def _parse_ranks_filter(text: str, nproc: int) -> set[int]:
+    ranks: set[int] = set()
+    for item in text.split(","):
+        item = item.strip()
+        if not item.isascii() or not item.isdigit():
+            raise _UsageError(
+                f"--local-ranks-filter: expected a comma-separated list of local ranks "
+                f"(e.g. '0,2'), got {text!r}")
+        rank = int(item)
+        if rank >= nproc:
+            raise _UsageError(
+                f"--local-ranks-filter: local rank {rank} is out of range 0..{nproc - 1}")
+        ranks.add(rank)
+    return ranks
+
+
+def _parse_env(items: Sequence[str]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise _UsageError(f"--env: expected KEY=VALUE, got {item!r}")
+        if "\0" in item:
+            raise _UsageError(f"--env: {item!r} contains a NUL byte")
+        env[key] = value
+    return env
+
+
+def _check_prefix(template: str) -> None:
+    try:
+        fields = list(string.Formatter().parse(template))
+    except ValueError as e:
+        raise _UsageError(f"--prefix: malformed template {template!r}: {e}") from None
+    for _, field, _, _ in fields:
+        if field is None:
+            continue
+        base = field.split(".", 1)[0].split("[", 1)[0]
+        if base not in PREFIX_FIELDS:
+            shown = "{}" if field == "" else "{" + field + "}"
+            raise _UsageError(
+                f"--prefix: unknown field {shown} in {template!r}; the fields are "
+                + " ".join("{" + f + "}" for f in PREFIX_FIELDS))
+    try:
+        template.format(name="n", rank=0, local_rank=0, pid=1, host="h")
+    except (ValueError, KeyError, IndexError, AttributeError, TypeError) as e:
+        raise _UsageError(f"--prefix: cannot format {template!r}: {e}") from None
+
+
+def _check_name(name: str) -> None:
+    """The name starts the run's directory under ``--log-dir`` (torchrun's
+    ``{log_dir}/{name}_<random>``): it must be one path component, or the logs
+    and error files would land outside ``--log-dir``."""
+    if "/" in name or "\0" in name or name in (".", ".."):
+        raise _UsageError(
+            f"--name: {name!r} cannot name the run's log directory "
+            "(it must not contain '/' or a NUL byte, nor be '.' or '..')")
+
+
+_PYTHON_RE = re.compile(r"python[0-9.]*")
+
+
+def default_name(command: Sequence[str]) -> str:
+    """The job name when ``--name`` is not given: the script's stem for
+    ``python [opts] script.py ...``, else the program's base name."""
+    program = os.path.basename(command[0])
+    if _PYTHON_RE.fullmatch(program):
+        for arg in command[1:]:
+            if arg in ("-c", "-m"):
+                break
+            if arg.startswith("-"):
+                continue
+            if arg.endswith(".py"):
+                return os.path.splitext(os.path.basename(arg))[0] or program
+            break
+    return program
+
+
+def _free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (bind to port 0, read it, close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class _Plan:
+    """Everything a launch needs, checked before anything starts."""
+
+    def __init__(self, args: argparse.Namespace, command: list[str]) -> None:
+        if not command:
+            raise _UsageError("no command given (put it after '--', e.g. "
+                              f"{PROG} -n 2 -- python train.py)")
+        if args.nproc < 1:
+            raise _UsageError(f"-n/--nproc must be at least 1, got {args.nproc}")
+        if args.nnodes < 1:
+            raise _UsageError(f"--nnodes must be at least 1, got {args.nnodes}")
+        if not 0 <= args.node_rank < args.nnodes:
+            raise _UsageError(
+                f"--node-rank must be in 0..{args.nnodes - 1}, got {args.node_rank}")
+        if args.nnodes > 1 and (args.master_addr is None or args.master_port is None):
+            raise _UsageError("--nnodes > 1 needs --master-addr and --master-port "
+                              "(the same on every host)")
+        if args.master_port is not None and not 0 < args.master_port < 65536:
+            raise _UsageError(f"--master-port must be in 1..65535, got {args.master_port}")
+        if not args.shutdown_timeout >= 0:
+            raise _UsageError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+        if args.hang_report_after is not None and not 0 < args.hang_report_after < float("inf"):
+            raise _UsageError(f"--hang-report-after must be > 0 seconds, got {args.hang_report_after}")
+        self.command = command
+        self.nproc: int = args.nproc
+        self.name: str = args.name if args.name is not None else default_name(command)
+        if not self.name:
+            raise _UsageError("--name must not be empty")
+        if args.name is not None:  # a default name is a base name already
+            _check_name(self.name)
+        redirects = _parse_std(args.redirects, self.nproc, "--redirects")
+        if args.tee is None:
+            # Tee whatever is not redirected: output reaches the console prefixed.
+            tee = {r: Std(Std.ALL & ~redirects[r]) for r in redirects}
+        else:
+            tee = _parse_std(args.tee, self.nproc, "--tee")
+        self.redirects = redirects
+        self.tee = tee
+        self.ranks_filter = (None if args.local_ranks_filter is None
+                             else _parse_ranks_filter(args.local_ranks_filter, self.nproc))
+        _check_prefix(args.prefix)
+        self.prefix_template: str = args.prefix
+        self.user_env = _parse_env(args.env)
+        self.start_method: str = args.start_method
+        self.summary: bool = args.summary
+        self.shutdown_timeout: float = args.shutdown_timeout
+        self.timestamps: bool = args.timestamps
+        self.faulthandler: bool = args.faulthandler
+        self.hang_report_after: float | None = args.hang_report_after
+        try:
+            self.console_backlog: int = _console.backlog_bound(args.console_backlog)
+        except (TypeError, ValueError) as e:
+            raise _UsageError(f"--console-backlog: {e}" if args.console_backlog is not None else str(e)) from None
+        try:
+            self.stderr_tail: int = stderr_tail_bound(args.stderr_tail)
+        except ValueError as e:
+            raise _UsageError(f"--stderr-tail: {e}" if args.stderr_tail is not None else str(e)) from None
+        self.nnodes: int = args.nnodes
+        self.node_rank: int = args.node_rank
+        self.master_addr: str = args.master_addr or "127.0.0.1"
+        self.master_port: int | None = args.master_port
+        self.log_dir_arg: str | None = args.log_dir
+        if self.log_dir_arg is not None:
+            if not self.log_dir_arg:
+                raise _UsageError("--log-dir must not be empty")
+            if self.log_dir_arg != os.devnull and os.path.exists(self.log_dir_arg) \
+                    and not os.path.isdir(self.log_dir_arg):
+                raise _UsageError(f"--log-dir: {self.log_dir_arg} exists and is not a directory")
+
+    def global_rank(self, local_rank: int) -> int:
+        return self.node_rank * self.nproc + local_rank
+
+    def envs(self, master_port: int) -> dict[int, dict[str, str]]:
+        world = self.nnodes * self.nproc
+        envs = {}
+        for local in range(self.nproc):
+            rank = self.global_rank(local)
+            env = {
+                "LOCAL_RANK": str(local),
+                "RANK": str(rank),
+                "GROUP_RANK": str(self.node_rank),
+                "ROLE_RANK": str(rank),
+                "ROLE_NAME": self.name,
+                "LOCAL_WORLD_SIZE": str(self.nproc),
+                "WORLD_SIZE": str(world),
+                "GROUP_WORLD_SIZE": str(self.nnodes),
+                "ROLE_WORLD_SIZE": str(world),
+                "MASTER_ADDR": self.master_addr,
+                "MASTER_PORT": str(master_port),
+                "TORCHELASTIC_RUN_ID": self.name,
+                "TORCHELASTIC_RESTART_COUNT": "0",
+                "TORCHELASTIC_MAX_RESTARTS": "0",
+            }
+            # Set by the user (even empty: off) in torchmp run's environment,
+            # which the ranks inherit, or with --env: theirs.
+            if self.faulthandler and FAULTHANDLER_VAR not in os.environ \
+                    and FAULTHANDLER_VAR not in self.user_env:
+                env[FAULTHANDLER_VAR] = "1"
+            env.update(self.user_env)
+            envs[local] = env
+        return envs
+
+    def prefixes(self) -> dict[int, str]:
+        host = socket.gethostname()
+        return {
+            local: self.prefix_template.format(
+                name=self.name, rank=self.global_rank(local), local_rank=local,
+                pid=os.getpid(), host=host)
+            for local in range(self.nproc)
+        }
+
+
+class _AnnouncingLogsSpecs(DefaultLogsSpecs):
+    """torchrun's layout; says where the run's files are before any rank starts."""
+
+    #: The run's directory ({log_dir}/{name}_<random>/attempt_0), None for none.
+    run_dir: str | None = None
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        try:
+            dest = super().reify(envs)
+        except OSError as e:  # the run's directories, inside --log-dir
+            raise _SetupError(_describe_mkdir_error(e, self.root_log_dir)) from e
+        if self.root_log_dir == os.devnull:
+            _say(f"no log files (--log-dir {os.devnull})")
+        elif dest.error_files:
+            attempt_dir = os.path.dirname(os.path.dirname(dest.error_files[0]))
+            self.run_dir = attempt_dir
+            _say(f"log directory: {attempt_dir}")
+        return dest
+
+
+def _describe_mkdir_error(e: OSError, requested: str) -> str:
+    """``cannot create log directory ...: why`` for a failed mkdir.
+
+    ``requested`` is the directory asked for; ``e.filename`` is the one whose
+    mkdir failed (an ancestor, when ``os.makedirs`` stopped early, or the
+    run's directory inside it).  The errno alone can mislead: procfs and
+    sysfs answer mkdir with ENOENT although the parent exists, so the parent
+    is looked at to name the real cause.
+    """
+    failing = os.fsdecode(e.filename) if e.filename is not None else requested
+    # The requested directory, if the failing one is it or one of its parents.
+    inside = requested.rstrip(os.sep) + os.sep
+    shown = requested if inside.startswith(failing.rstrip(os.sep) + os.sep) else failing
+    call = "mkdir" if failing == shown else f"mkdir {failing}"
+    strerror = e.strerror or str(e)
+    parent = os.path.dirname(failing.rstrip(os.sep)) or "."
+    diagnosis = None
+    if e.errno in (errno.ENOENT, errno.EACCES, errno.EPERM) and os.path.isdir(parent):
+        try:
+            mode = os.stat(parent).st_mode
+        except OSError:
+            mode = 0
+        if not mode & 0o222 or not os.access(parent, os.W_OK | os.X_OK):
+            diagnosis = f"{parent} is not writable"
+        elif e.errno == errno.ENOENT:
+            diagnosis = f"{parent} does not allow creating directories"
+    elif e.errno == errno.ENOTDIR:
+        ancestor = parent
+        while ancestor not in ("", os.sep, ".") and not os.path.lexists(ancestor):
+            ancestor = os.path.dirname(ancestor)
+        if os.path.lexists(ancestor) and not os.path.isdir(ancestor):
+            diagnosis = f"{ancestor} is not a directory"
+    elif e.errno == errno.EEXIST:
+        diagnosis = (f"{failing} is a dangling symbolic link" if os.path.islink(failing)
+                     else f"{failing} exists and is not a directory")
+    reason = f"{diagnosis} ({call}: {strerror})" if diagnosis else (
+        strerror if failing == shown else f"{strerror} ({call})")
+    return f"cannot create log directory {shown}: {reason}"
