@@ -14,7 +14,7 @@ import typing
 
 import pytest
 
-from torchmp import logs_specs
+from torchmp import _inputs, logs_specs
 from torchmp.logs_specs import (
     DefaultLogsSpecs,
     LegacyLogsSpecs,
@@ -69,6 +69,10 @@ def test_public_names_and_doctests():
         assert getattr(logs_specs, name).__doc__, name
     result = doctest.testmod(logs_specs, optionflags=doctest.ELLIPSIS)
     assert result.attempted >= 20
+    assert result.failed == 0
+    # validate_full_rank and RankMappingError live with the other input checks.
+    result = doctest.testmod(_inputs, optionflags=doctest.ELLIPSIS)
+    assert result.attempted >= 4
     assert result.failed == 0
 
 

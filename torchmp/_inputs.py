@@ -4,10 +4,127 @@ directory is created or any process started."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any
 
-from torchmp.logs_specs import RankMappingError, validate_full_rank
+
+class RankMappingError(ValueError, RuntimeError):
+    """A per-rank mapping (``args``, ``envs``, ...) is not keyed by exactly ``0..n-1``.
+
+    It derives from both ``ValueError`` and ``RuntimeError`` so that code written
+    against either of torch's error types keeps catching it.
+
+    >>> issubclass(RankMappingError, ValueError), issubclass(RankMappingError, RuntimeError)
+    (True, True)
+    """
+
+    # Documented, and re-exported, as torchmp.logs_specs.RankMappingError (as
+    # torch users know it from its logs_specs/api pair): tracebacks say so.
+    __module__ = "torchmp.logs_specs"
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _as_rank(key: object, what: str) -> int:
+    if not _is_int(key):
+        raise TypeError(
+            f"{what}: local rank keys must be ints, got {type(key).__name__} {key!r}"
+        )
+    if key < 0:  # type: ignore[operator]
+        raise ValueError(f"{what}: local rank keys must be >= 0, got {key!r}")
+    return int(key)  # type: ignore[call-overload, no-any-return]
+
+
+def _sort_keys(keys: Iterable[Any]) -> list[Any]:
+    # Ints (not bools) first in numeric order, then everything else by repr.
+    return sorted(
+        keys,
+        key=lambda k: (0, k, "") if _is_int(k) else (1, 0, f"{type(k).__name__}{k!r}"),
+    )
+
+
+def validate_full_rank(d: Mapping[int, Any], nprocs: int, what: str) -> None:
+    """Check that ``d`` is a mapping keyed by exactly the local ranks ``0..nprocs-1``.
+
+    Raises :class:`RankMappingError` (a ``ValueError`` and a ``RuntimeError``)
+    naming the missing ranks and the unexpected keys.
+
+    >>> validate_full_rank({0: "a", 1: "b"}, 2, "args")
+    >>> validate_full_rank({0: {}, "a": {}}, 2, "envs")
+    Traceback (most recent call last):
+      ...
+    torchmp.logs_specs.RankMappingError: envs: missing local ranks [1]; unexpected keys ['a'] (expected keys 0..1 for nprocs=2)
+    """  # noqa: E501 (a doctest: the error message in full)
+    if type(d) is dict and type(nprocs) is int and len(d) == nprocs and all(
+            type(k) is int and 0 <= k < nprocs for k in d):
+        return  # the common case, checked on every launch
+    if not _is_int(nprocs):
+        raise TypeError(f"nprocs must be an int, got {type(nprocs).__name__} {nprocs!r}")
+    if nprocs < 0:
+        raise ValueError(f"nprocs must be >= 0, got {nprocs}")
+    expected = "no keys for nprocs=0" if nprocs == 0 else (
+        f"keys 0..{nprocs - 1} for nprocs={nprocs}"
+    )
+    if not isinstance(d, Mapping):
+        raise RankMappingError(
+            f"{what}: expected a dict keyed by local rank ({expected}), got "
+            f"{type(d).__name__}"
+        )
+    present = {k for k in d if _is_int(k) and 0 <= k < nprocs}
+    missing = [r for r in range(nprocs) if r not in present]
+    unexpected = _sort_keys(k for k in d if not (_is_int(k) and 0 <= k < nprocs))
+    if not missing and not unexpected:
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing local ranks {missing}")
+    if unexpected:
+        parts.append(f"unexpected keys {unexpected}")
+    raise RankMappingError(f"{what}: {'; '.join(parts)} (expected {expected})")
+
+
+def _check_envs(envs: Mapping[int, Any]) -> int:
+    """Validate a reify() ``envs`` argument; return the number of local ranks."""
+    if not isinstance(envs, Mapping):
+        raise RankMappingError(
+            f"envs: expected a dict keyed by local rank, got {type(envs).__name__}"
+        )
+    nprocs = len(envs)
+    validate_full_rank(envs, nprocs, "envs")
+    for rank in range(nprocs):
+        if not isinstance(envs[rank], MutableMapping):
+            raise RankMappingError(
+                f"envs[{rank}]: expected a dict of environment variables, got "
+                f"{type(envs[rank]).__name__}"
+            )
+    return nprocs
+
+
+def _as_log_dir(log_dir: object, what: str = "log_dir") -> str:
+    try:
+        path = os.fspath(log_dir)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(
+            f"{what} must be a str or os.PathLike path, got "
+            f"{type(log_dir).__name__} {log_dir!r}"
+        ) from None
+    if not isinstance(path, str):
+        raise TypeError(f"{what} must be a str path, got {type(path).__name__} {path!r}")
+    return path
+
+
+def _as_ranks_filter(value: object) -> set[int] | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(
+            "local_ranks_filter must be a set (or other iterable) of ints, got "
+            f"{type(value).__name__} {value!r}"
+        )
+    return {_as_rank(r, "local_ranks_filter") for r in value}
+
 
 # The start methods of function launches (binaries: fork+exec by the core).
 START_METHODS = ("spawn", "fork", "forkserver")
