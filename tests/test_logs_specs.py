@@ -72,7 +72,7 @@ def test_public_names_and_doctests():
     assert result.failed == 0
     # validate_full_rank and RankMappingError live with the other input checks.
     result = doctest.testmod(_inputs, optionflags=doctest.ELLIPSIS)
-    assert result.attempted >= 4
+    assert result.attempted >= 2
     assert result.failed == 0
 
 
