@@ -10,7 +10,6 @@ import errno
 import logging
 import os
 import signal
-import stat
 import threading
 import time
 from collections.abc import Callable
@@ -18,7 +17,7 @@ from typing import Any
 
 from torchmp import _console, _core, _oom
 from torchmp._exec import (
-    _CAPTURE, _NO_STREAM, _ExecPlan, _exec_env, _exitcode, _launcher_environ, _open_log, resolve_executable,
+    _CAPTURE, _NO_STREAM, _ExecPlan, _exitcode, _open_log,
 )
 from torchmp._inputs import (
     DEFAULT_STDERR_TAIL_LINES, TAIL_BYTES_PER_LINE, _check_filters, _check_name, _check_prefixes,
@@ -27,6 +26,7 @@ from torchmp._inputs import (
 from torchmp._pcontext import PContext, ResourceUsage, RunProcsResult
 from torchmp._signals import close_despite_interrupts
 from torchmp.errors import ProcessFailure, root_cause
+from torchmp._tails import _file_tail, _last_lines
 from torchmp.logs_specs import LogsSpecs
 
 # torch's contexts log as its api module; so do torchmp's.
@@ -36,35 +36,6 @@ logger = logging.getLogger("torchmp.api")
 # in uninterruptible sleep (D state, e.g. wedged on a device) cannot be reaped,
 # and the launcher must not hang on it.
 KILL_GRACE_SECONDS = 5.0
-
-
-def _last_lines(data: bytes, lines: int, truncated: bool) -> str:
-    """The last ``lines`` lines of data as text; a first line cut by the
-    byte bound (truncated) is dropped."""
-    if truncated:
-        cut = data.find(b"\n")
-        data = data[cut + 1:] if cut >= 0 else b""
-    text = data.decode("utf-8", errors="replace").replace("\r\n", "\n")
-    kept = text.rstrip("\n").split("\n")[-lines:] if lines else []
-    return "\n".join(line.rsplit("\r", 1)[-1] for line in kept).strip("\n")
-
-
-def _file_tail(path: str, nbytes: int) -> tuple[bytes, bool]:
-    """The last nbytes of a file, and whether there was more before them."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | os.O_NONBLOCK)
-    except OSError:
-        return b"", False
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return b"", False
-        size = os.lseek(fd, 0, os.SEEK_END)
-        start = max(0, size - nbytes)
-        return os.pread(fd, size - start, start), start > 0
-    except OSError:
-        return b"", False
-    finally:
-        os.close(fd)
 
 
 class _NativeContext(PContext):
@@ -655,53 +626,3 @@ def _close_live_contexts_at_exit() -> None:
 
 
 atexit.register(_close_live_contexts_at_exit)
-
-
-class SubprocessContext(_NativeContext):
-    """``PContext`` holding worker processes invoked as a binary."""
-
-    def __init__(
-        self,
-        name: str,
-        entrypoint: str,
-        args: dict[int, tuple[Any, ...]],
-        envs: dict[int, dict[str, str]],
-        logs_specs: LogsSpecs,
-        log_line_prefixes: dict[int, str] | None = None,
-        numa_options: Any = None,
-        duplicate_stdout_filters: list[str] | None = None,
-        duplicate_stderr_filters: list[str] | None = None,
-    ) -> None:
-        super().__init__(
-            name, entrypoint, args, envs, logs_specs, log_line_prefixes, numa_options,
-            duplicate_stdout_filters, duplicate_stderr_filters,
-        )
-
-    def _check_entrypoint(self, entrypoint: Any, args: dict[int, tuple[Any, ...]],
-                          envs: dict[int, dict[str, str]]) -> None:
-        if not isinstance(entrypoint, str):
-            raise TypeError(f"SubprocessContext needs a str entrypoint, got {type(entrypoint).__name__}")
-        # Resolve now, so a missing binary fails before any directory exists;
-        # once per distinct PATH, not once per rank.
-        resolved: dict[str | None, bytes] = {}
-        self._paths: dict[int, bytes] = {}
-        for rank in range(len(args)):
-            path_var = envs[rank].get("PATH")
-            key = None if path_var is None else str(path_var)
-            if key not in resolved:
-                resolved[key] = resolve_executable(entrypoint, envs[rank])
-            self._paths[rank] = resolved[key]
-        for rank, argv in args.items():
-            for a in argv:
-                has_nul = b"\0" in a if isinstance(a, bytes) else "\0" in str(a)
-                if has_nul:
-                    raise ValueError(f"args[{rank}]: argument {a!r} contains a NUL byte")
-
-    def _launch(self, group: _core.Group, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
-        plans = []
-        environ = _launcher_environ()
-        for rank in range(self.nprocs):
-            argv = [os.fsencode(self.entrypoint)]  # type: ignore[arg-type]
-            argv += [a if isinstance(a, bytes) else os.fsencode(str(a)) for a in self.args[rank]]
-            plans.append(_ExecPlan(self._paths[rank], argv, _exec_env(rank, self.envs[rank], environ)))
-        self._spawn(group, streams, plans)

@@ -59,9 +59,9 @@ from torchmp._inputs import (
     _watch_stderr_setting,
     stderr_tail_bound as stderr_tail_bound,
 )
+from torchmp._binary import SubprocessContext
 from torchmp._native import (
     KILL_GRACE_SECONDS as KILL_GRACE_SECONDS,
-    SubprocessContext,
     _NativeContext as _NativeContext,
 )
 from torchmp._pcontext import PContext, ResourceUsage, RunProcsResult, TeeTail as TeeTail
