@@ -37,6 +37,7 @@ class SubprocessContext(_NativeContext):
             raise TypeError(f"SubprocessContext needs a str entrypoint, got {type(entrypoint).__name__}")
         # Resolve now, so a missing binary fails before any directory exists;
         # once per distinct PATH, not once per rank.
+        self._program: str = entrypoint  # self.entrypoint, as its type
         resolved: dict[str | None, bytes] = {}
         self._paths: dict[int, bytes] = {}
         for rank in range(len(args)):
@@ -55,7 +56,7 @@ class SubprocessContext(_NativeContext):
         plans = []
         environ = _launcher_environ()
         for rank in range(self.nprocs):
-            argv = [os.fsencode(self.entrypoint)]  # type: ignore[arg-type]
+            argv = [os.fsencode(self._program)]
             argv += [a if isinstance(a, bytes) else os.fsencode(str(a)) for a in self.args[rank]]
             plans.append(_ExecPlan(self._paths[rank], argv, _exec_env(rank, self.envs[rank], environ)))
         self._spawn(group, streams, plans)

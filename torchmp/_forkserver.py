@@ -165,7 +165,8 @@ class ForkServer:
             if not chunk:
                 raise ForkServerDied("the torchmp forkserver died")
             buf += chunk
-        return _REPLY.unpack(buf)[0]  # type: ignore[no-any-return]
+        pid: int = _REPLY.unpack(buf)[0]
+        return pid
 
     def release(self, pids: list[int]) -> None:
         """Let the server reap these workers' zombies (see the module doc)."""
@@ -319,9 +320,10 @@ def server_main() -> None:
                 except ChildProcessError:
                     pass
 
+    sock_fd = sock.fileno()
     while True:
         try:
-            ready, _, _ = select.select([sock, wake_r], [], [])  # type: ignore[type-var]
+            ready, _, _ = select.select([sock_fd, wake_r], [], [])
         except InterruptedError:
             continue
         if wake_r in ready:
@@ -331,7 +333,7 @@ def server_main() -> None:
             except BlockingIOError:
                 pass
             collect()
-        if sock not in ready:
+        if sock_fd not in ready:
             continue
         message = _recv_message(sock)
         if message is None:

@@ -238,6 +238,7 @@ class MultiprocessContext(_NativeContext):
         if not callable(entrypoint):
             raise TypeError(f"MultiprocessContext needs a callable entrypoint, got {type(entrypoint).__name__}")
         _check_picklable(self.start_method, entrypoint, args)
+        self._fn: Callable[..., Any] = entrypoint  # self.entrypoint, as its type
 
     # -- launching ------------------------------------------------------------
     def _launch(self, group: _core.Group, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
@@ -264,7 +265,7 @@ class MultiprocessContext(_NativeContext):
         try:
             plans = []
             for rank in range(self.nprocs):
-                payload = _worker.encode_payload(prep, self.entrypoint, self.args[rank])  # type: ignore[arg-type]
+                payload = _worker.encode_payload(prep, self._fn, self.args[rank])
                 fd = _payload_file(payload)
                 payload_fds.append(fd)
                 plans.append(_ExecPlan(path, argv, _exec_env(rank, self.envs[rank], environ), capture_return=True,
@@ -315,7 +316,7 @@ class MultiprocessContext(_NativeContext):
                     sys.unraisablehook = previous_hook
                     # The child must never unwind into the launcher's frames.
                     try:
-                        _fork_child(self.entrypoint, self.args[rank], self.envs[rank],  # type: ignore[arg-type]
+                        _fork_child(self._fn, self.args[rank], self.envs[rank],
                                     ret_fd, launcher_signals)
                     finally:
                         os._exit(1)

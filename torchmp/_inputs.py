@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, MutableMapping
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 
 class RankMappingError(ValueError, RuntimeError):
@@ -23,7 +23,8 @@ class RankMappingError(ValueError, RuntimeError):
     __module__ = "torchmp.logs_specs"
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
+    """An int that is not a bool (True is not rank 1)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -32,9 +33,13 @@ def _as_rank(key: object, what: str) -> int:
         raise TypeError(
             f"{what}: local rank keys must be ints, got {type(key).__name__} {key!r}"
         )
-    if key < 0:  # type: ignore[operator]
+    return _nonnegative_rank(key, what)
+
+
+def _nonnegative_rank(key: int, what: str) -> int:
+    if key < 0:
         raise ValueError(f"{what}: local rank keys must be >= 0, got {key!r}")
-    return int(key)  # type: ignore[call-overload, no-any-return]
+    return int(key)
 
 
 def _sort_keys(keys: Iterable[Any]) -> list[Any]:
@@ -103,9 +108,13 @@ def _check_envs(envs: Mapping[int, Any]) -> int:
 
 
 def _as_log_dir(log_dir: object, what: str = "log_dir") -> str:
-    try:
-        path = os.fspath(log_dir)  # type: ignore[call-overload]
-    except TypeError:
+    path: str | bytes | None = None
+    if isinstance(log_dir, (str, bytes, os.PathLike)):
+        try:
+            path = os.fspath(log_dir)
+        except TypeError:  # a __fspath__ that returns neither str nor bytes
+            pass
+    if path is None:
         raise TypeError(
             f"{what} must be a str or os.PathLike path, got "
             f"{type(log_dir).__name__} {log_dir!r}"
@@ -193,7 +202,8 @@ def _normalize_envs(envs: object, nprocs: int) -> dict[int, dict[str, str]]:
             raise ValueError(f"envs[{rank}] must be a dict of environment variables, got {type(env).__name__}")
         for key, value in env.items():
             _encode_env_item(rank, key, value)
-    return envs  # type: ignore[return-value]  # validated; reify mutates it like torch
+    # Validated above; the caller's dict itself (reify mutates it, as torch does).
+    return cast("dict[int, dict[str, str]]", envs)
 
 
 def _check_prefixes(prefixes: object, nprocs: int) -> dict[int, str] | None:
@@ -212,9 +222,10 @@ def _check_prefixes(prefixes: object, nprocs: int) -> dict[int, str] | None:
 def _check_filters(filters: object, what: str) -> list[str] | None:
     if filters is None:
         return None
-    if isinstance(filters, str) or not all(isinstance(f, str) for f in filters):  # type: ignore[attr-defined]
+    items = None if isinstance(filters, str) or not isinstance(filters, Iterable) else list(filters)
+    if items is None or not all(isinstance(f, str) for f in items):
         raise TypeError(f"{what} must be a list of str, got {filters!r}")
-    return list(filters)  # type: ignore[call-overload, no-any-return]
+    return items
 
 
 # A failed rank's report carries the last lines of its stderr: this many by

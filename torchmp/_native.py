@@ -294,7 +294,7 @@ class _NativeContext(PContext):
         """The result, once decided: close (fail-fast), collect, settle."""
         # Fail-fast: the first failure terminates the siblings, whose exits
         # are recorded too but are never the root cause.
-        self.close(timeout=self.fail_fast_timeout)  # type: ignore[arg-type]
+        self.close(timeout=self.fail_fast_timeout)
         ranks = self._snapshot()[1] if self._group is not None else []
         self._result = self._build_result(ranks)
         # Every line is in the log files now.  The consoles: all of it for

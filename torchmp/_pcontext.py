@@ -171,10 +171,10 @@ class PContext(abc.ABC):
         raise NotImplementedError
 
     @abc.abstractmethod
-    def _close(self, death_sig: signal.Signals, timeout: int = 30) -> None:
+    def _close(self, death_sig: signal.Signals, timeout: float = 30) -> None:
         raise NotImplementedError
 
-    def close(self, death_sig: signal.Signals | None = None, timeout: int = 30) -> None:
+    def close(self, death_sig: signal.Signals | None = None, timeout: float = 30) -> None:
         """Terminate every worker: ``death_sig`` (default SIGTERM) to each
         worker's process group, SIGKILL to what is left after ``timeout``
         seconds.  Idempotent."""

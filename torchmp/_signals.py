@@ -45,7 +45,7 @@ def close_despite_interrupts(ctx: PContext, death_sig: signal.Signals, timeout: 
     ends."""
     while True:
         try:
-            ctx.close(death_sig, timeout)  # type: ignore[arg-type]
+            ctx.close(death_sig, timeout)
             return
         except (SignalException, KeyboardInterrupt):
             death_sig, timeout = signal.SIGKILL, 0

@@ -53,6 +53,7 @@ from torchmp._functions import MultiprocessContext
 from torchmp._inputs import (
     DEFAULT_STDERR_TAIL_LINES as DEFAULT_STDERR_TAIL_LINES,
     START_METHODS,
+    _as_log_dir,
     _check_name,
     _normalize_args,
     _normalize_envs,
@@ -194,7 +195,7 @@ def start_processes(
 ) -> PContext: ...
 
 
-def start_processes(  # type: ignore[misc]  # one body parses both signatures
+def start_processes(  # type: ignore[misc]  # one body for both overloads: its 5th parameter is logs_specs or log_dir
     name: str,
     entrypoint: Callable[..., Any] | str,
     args: dict[int, tuple[Any, ...]],
@@ -283,8 +284,7 @@ def start_processes(  # type: ignore[misc]  # one body parses both signatures
         if logs_specs is None:
             raise TypeError("start_processes() needs log_dir")
         spec_obj: Any = LegacyLogsSpecs(
-            os.fspath(logs_specs),  # type: ignore[arg-type]
-            redirects=options["redirects"], tee=options["tee"])
+            _as_log_dir(logs_specs), redirects=options["redirects"], tee=options["tee"])
         spec_obj.validate()
         extra: dict[str, Any] = {}
     else:

@@ -56,7 +56,7 @@ import threading
 import time
 from collections.abc import Sequence
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from torchmp import _console, _hang
 from torchmp._exec import resolve_executable
@@ -104,12 +104,18 @@ def _raise_signal_exception(signum: int, frame: FrameType | None) -> None:
     raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
 
 
+if TYPE_CHECKING:
+    _StreamHandler = logging.StreamHandler[TextIO]
+else:  # generic only in typeshed before Python 3.11
+    _StreamHandler = logging.StreamHandler
+
+
 def _install_handlers() -> None:
     for sig in HANDLED_SIGNALS:
         signal.signal(sig, _raise_signal_exception)
 
 
-class _ConsoleHandler(logging.StreamHandler):  # type: ignore[type-arg]
+class _ConsoleHandler(_StreamHandler):
     """A StreamHandler that drops a console that is closed or gone instead of
     printing "--- Logging error ---" and a traceback about it."""
 
@@ -120,15 +126,21 @@ class _ConsoleHandler(logging.StreamHandler):  # type: ignore[type-arg]
         super().handleError(record)
 
 
+# The handler _configure_logging added (main() may run more than once in a
+# process, e.g. in tests: one handler, not one per run).
+_cli_handler: logging.Handler | None = None
+
+
 def _configure_logging() -> None:
+    global _cli_handler
     log = logging.getLogger("torchmp")
-    if not any(getattr(h, "_torchmp_cli", False) for h in log.handlers):
+    if _cli_handler is None or _cli_handler not in log.handlers:
         # No stderr at all (closed at start): messages go nowhere.
         handler: logging.Handler = (_ConsoleHandler(sys.stderr) if sys.stderr is not None
                                     else logging.NullHandler())
         handler.setFormatter(logging.Formatter("torchmp: %(message)s"))
-        handler._torchmp_cli = True  # type: ignore[attr-defined]
         log.addHandler(handler)
+        _cli_handler = handler
     log.setLevel(logging.WARNING)
     log.propagate = False
 

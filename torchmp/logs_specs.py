@@ -158,9 +158,13 @@ def _as_std(value: object, what: str) -> Std:
             f"{what} must be a Std or an int 0..3, got {type(value).__name__} "
             f"{value!r}"
         )
-    if not 0 <= value <= 3:  # type: ignore[operator]
+    return _std_in_range(value, what)
+
+
+def _std_in_range(value: int, what: str) -> Std:
+    if not 0 <= value <= 3:
         raise ValueError(f"{what} must be a Std or an int 0..3, got {value!r}")
-    return Std(int(value))  # type: ignore[call-overload]
+    return Std(int(value))
 
 
 def _as_std_setting(value: object, what: str) -> Std | dict[int, Std]:
@@ -467,6 +471,8 @@ class DefaultLogsSpecs(LogsSpecs):
             and self._local_ranks_filter == other._local_ranks_filter
         )
 
+    # Mutable and compared by value: unhashable, as a dataclass with eq.
+    # (typeshed declares __hash__ a method, so None needs the ignore.)
     __hash__ = None  # type: ignore[assignment]
 
 
@@ -607,4 +613,6 @@ class LegacyLogsSpecs(LogsSpecs):
             and self._tee == other._tee
         )
 
+    # Mutable and compared by value: unhashable, as a dataclass with eq.
+    # (typeshed declares __hash__ a method, so None needs the ignore.)
     __hash__ = None  # type: ignore[assignment]

@@ -99,7 +99,8 @@ def _load_torch() -> _Torch:
 
 def _torch_signal_exception(e: _tm_api.SignalException) -> BaseException:
     t = _load_torch()
-    return t.SignalException(str(e), sigval=e.sigval)  # type: ignore[no-any-return]
+    exc: BaseException = t.SignalException(str(e), sigval=e.sigval)
+    return exc
 
 
 def _raise_torch_signal(signum: int, frame: FrameType | None) -> None:
@@ -204,7 +205,7 @@ class TorchrunContext:
             self._result = to_torch_result(result)
         return self._result
 
-    def close(self, death_sig: signal.Signals | None = None, timeout: int = 30) -> None:
+    def close(self, death_sig: signal.Signals | None = None, timeout: float = 30) -> None:
         try:
             self._inner.close(death_sig, timeout)
         except _tm_api.SignalException as e:
