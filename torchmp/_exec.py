@@ -89,8 +89,10 @@ def _exitcode(wait_status: int) -> int:
     return 255
 
 
+# Stream specs without a file: the worker inherits the launcher's stream, or
+# (the return channel) the I/O thread keeps what the worker writes.
 _NO_STREAM = (_core.STREAM_INHERIT, -1, -1, None)
-_CAPTURE = (_core.STREAM_CAPTURE, -1, -1, None)
+_RETURN_CHANNEL = (_core.STREAM_CAPTURE, -1, -1, None)
 
 
 @dataclass
@@ -100,7 +102,7 @@ class _ExecPlan:
     path: bytes
     argv: list[bytes]
     envp: list[bytes]
-    capture_return: bool = False
+    return_channel: bool = False  # a pipe for the pickled return value
     payload_fd: int = -1
 
 

@@ -41,6 +41,7 @@ import time
 from typing import Any
 
 from torchmp import _core, _worker
+from torchmp._exec import _RETURN_CHANNEL
 
 __all__ = ["set_forkserver_preload", "get_forkserver"]
 
@@ -185,7 +186,7 @@ class ForkServer:
             if not self._alive():
                 self._start()
             # Every rank's streams in one I/O-thread round trip.
-            worker_fds = group.prepare([(out, err, (_core.STREAM_CAPTURE, -1, -1, None)) for out, err in streams])
+            worker_fds = group.prepare([(out, err, _RETURN_CHANNEL) for out, err in streams])
             try:
                 for rank in range(ctx.nprocs):
                     out_fd, err_fd, ret_fd = worker_fds[rank]

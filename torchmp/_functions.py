@@ -40,7 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torchmp import _core, _worker
-from torchmp._exec import _CAPTURE, _ExecPlan, _exec_env, _exitcode, _launcher_environ
+from torchmp._exec import _RETURN_CHANNEL, _ExecPlan, _exec_env, _exitcode, _launcher_environ
 from torchmp._inputs import START_METHODS
 from torchmp._native import KILL_GRACE_SECONDS, _NativeContext, logger
 from torchmp._pcontext import RunProcsResult
@@ -268,7 +268,7 @@ class MultiprocessContext(_NativeContext):
                 payload = _worker.encode_payload(prep, self._fn, self.args[rank])
                 fd = _payload_file(payload)
                 payload_fds.append(fd)
-                plans.append(_ExecPlan(path, argv, _exec_env(rank, self.envs[rank], environ), capture_return=True,
+                plans.append(_ExecPlan(path, argv, _exec_env(rank, self.envs[rank], environ), return_channel=True,
                                        payload_fd=fd))
             self._spawn(group, streams, plans)
         finally:
@@ -288,7 +288,7 @@ class MultiprocessContext(_NativeContext):
         # watch every worker: per-rank round trips cost more than the fork
         # itself once forked workers compete for the CPU.
         try:
-            group.prepare([(out, err, _CAPTURE) for out, err in streams])
+            group.prepare([(out, err, _RETURN_CHANNEL) for out, err in streams])
         except OSError as e:
             logger.error("failed to set up the streams of local rank %s of %s: %s",
                          getattr(e, "rank", "?"), self.name, e)
@@ -399,7 +399,7 @@ class MultiprocessContext(_NativeContext):
             result.failures = own
         return result
 
-    def _return_values(self, exited_ok: list[int]) -> dict[int, Any]:
+    def _return_values(self) -> dict[int, Any]:
         values: dict[int, Any] = {}
         for rank in range(self.nprocs):
             values[rank] = self._return_value(rank)

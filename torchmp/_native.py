@@ -17,7 +17,7 @@ from typing import Any
 
 from torchmp import _console, _core, _oom
 from torchmp._exec import (
-    _CAPTURE, _NO_STREAM, _ExecPlan, _exitcode, _open_log,
+    _RETURN_CHANNEL, _NO_STREAM, _ExecPlan, _exitcode, _open_log,
 )
 from torchmp._inputs import (
     DEFAULT_STDERR_TAIL_LINES, TAIL_BYTES_PER_LINE, _check_filters, _check_name, _check_prefixes,
@@ -119,7 +119,7 @@ class _NativeContext(PContext):
         """Exec-launch every rank from the I/O thread.  If rank k cannot be
         started, ranks < k are killed and reaped and the OSError raised."""
         specs = [
-            (plan.path, plan.argv, plan.envp, out, err, _CAPTURE if plan.capture_return else _NO_STREAM,
+            (plan.path, plan.argv, plan.envp, out, err, _RETURN_CHANNEL if plan.return_channel else _NO_STREAM,
              plan.payload_fd)
             for plan, (out, err) in zip(plans, streams, strict=True)
         ]
@@ -130,7 +130,7 @@ class _NativeContext(PContext):
             self._close(signal.SIGKILL, timeout=KILL_GRACE_SECONDS)
             raise e.cause from None
 
-    def _return_values(self, exited_ok: list[int]) -> dict[int, Any]:
+    def _return_values(self) -> dict[int, Any]:
         return dict.fromkeys(range(self.nprocs))
 
     def _before_release(self, group: _core.Group) -> None:
@@ -308,11 +308,9 @@ class _NativeContext(PContext):
     def _build_result(self, ranks: list[_core.ProcInfo]) -> RunProcsResult:
         failures: dict[int, ProcessFailure] = {}
         resources: dict[int, ResourceUsage] = {}
-        exited_ok: list[int] = []
         for rank, info in enumerate(ranks):
-            (state, pid, status, start_ns, exit_ns, exit_real_ns, utime, stime, maxrss, out_err, err_err,
-             status_lost) = info
-            if state == _core.PROC_RUNNING and rank in self._abandoned:
+            pid = info.pid
+            if info.state == _core.PROC_RUNNING and rank in self._abandoned:
                 failures[rank] = ProcessFailure(
                     local_rank=rank, pid=pid, exitcode=-signal.SIGKILL,
                     error_file=self.error_files.get(rank, ""),
@@ -322,18 +320,18 @@ class _NativeContext(PContext):
                 if failures[rank].error_file_data.get("message") in (None, "<NONE>"):
                     failures[rank].message = why
                 continue
-            if state != _core.PROC_EXITED:
+            if info.state != _core.PROC_EXITED:
                 continue
-            code = _exitcode(status)
+            code = _exitcode(info.wait_status)
             resources[rank] = ResourceUsage(
                 pid=pid,
                 exitcode=code,
-                wall_time=(exit_ns - start_ns) / 1e9,
-                user_time=utime / 1e9,
-                system_time=stime / 1e9,
-                max_rss=maxrss * 1024,
+                wall_time=(info.exit_mono_ns - info.start_mono_ns) / 1e9,
+                user_time=info.utime_ns / 1e9,
+                system_time=info.stime_ns / 1e9,
+                max_rss=info.maxrss_kb * 1024,
             )
-            for what, e in (("stdout", out_err), ("stderr", err_err)):
+            for what, e in (("stdout", info.out_log_errno), ("stderr", info.err_log_errno)):
                 if e:
                     logger.error(
                         "writing the %s log of local rank %s failed (%s); output after that point "
@@ -342,31 +340,29 @@ class _NativeContext(PContext):
             if problem is not None:
                 failures[rank] = ProcessFailure(
                     local_rank=rank, pid=pid, exitcode=0, error_file=self.error_files.get(rank, ""),
-                    timestamp_ns=exit_real_ns)
+                    timestamp_ns=info.exit_real_ns)
                 if failures[rank].error_file_data.get("message") in (None, "<NONE>"):
                     failures[rank].message = problem
             elif code != 0:
                 # A lost status (the forkserver died with its workers) is a
                 # failure of its own, whatever close() sent meanwhile.
-                killed = rank in self._terminated_by_launcher and not status_lost
+                killed = rank in self._terminated_by_launcher and not info.status_lost
                 failures[rank] = ProcessFailure(
                     local_rank=rank,
                     pid=pid,
                     exitcode=code,
                     error_file=self.error_files.get(rank, ""),
-                    timestamp_ns=exit_real_ns,
+                    timestamp_ns=info.exit_real_ns,
                     terminated_by_launcher=killed,
                     # A rank torchmp killed has nothing to say about the failure.
                     stderr_tail="" if killed else self._stderr_tail(rank),
                     cause=None if killed else self._death_cause(pid, code),
                 )
-                if status_lost:
+                if info.status_lost:
                     why = self._lost_status_reason(rank)
                     logger.error("local rank %s (pid %s): %s", rank, pid, why)
                     if failures[rank].error_file_data.get("message") in (None, "<NONE>"):
                         failures[rank].message = why
-            else:
-                exited_ok.append(rank)
         # torch's order: the ranks that failed by themselves, then those the
         # launcher terminated, each by rank.
         failures = dict(sorted(failures.items(), key=lambda kv: (kv[1].terminated_by_launcher, kv[0])))
@@ -383,7 +379,7 @@ class _NativeContext(PContext):
                     first.exitcode, first.local_rank, first.pid, self.entrypoint,
                 )
         else:
-            result.return_values = self._return_values(exited_ok)
+            result.return_values = self._return_values()
         return result
 
     def wait(self, timeout: float = -1, period: float = 1) -> RunProcsResult | None:

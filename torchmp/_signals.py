@@ -16,6 +16,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("torchmp.api")
 
+#: The signals a launcher turns into SignalException (and ``torchmp run``
+#: into "terminate the workers, exit 128 + N") unless
+#: TORCHELASTIC_SIGNALS_TO_HANDLE names others: torchelastic's default.
+DEFAULT_HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+_DEFAULT_HANDLED_NAMES = ",".join(s.name for s in DEFAULT_HANDLED_SIGNALS)
+
 # Signals Windows cannot handle (torch logs them at INFO there).
 _WINDOWS_UNSUPPORTED = ("SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 
@@ -31,6 +37,7 @@ class SignalException(Exception):
 
 
 def _terminate_process_handler(signum: int, frame: FrameType | None) -> None:
+    """The handler of every handled signal: raise SignalException."""
     sigval = signal.Signals(signum)
     raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
 
@@ -60,10 +67,11 @@ def _interrupt_signal(exc: BaseException) -> signal.Signals:
     return signal.SIGTERM
 
 
-def handled_signals() -> list[signal.Signals]:
+def handled_signals(log_unknown: bool = True) -> list[signal.Signals]:
     """The signals named in TORCHELASTIC_SIGNALS_TO_HANDLE (default SIGTERM,
-    SIGINT, SIGHUP, SIGQUIT); unknown names are logged and skipped."""
-    names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+    SIGINT, SIGHUP, SIGQUIT); unknown names are skipped (and logged, unless
+    the caller knows they were logged already)."""
+    names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", _DEFAULT_HANDLED_NAMES)
     found = []
     for name in names.split(","):
         name = name.strip()
@@ -71,7 +79,8 @@ def handled_signals() -> list[signal.Signals]:
             continue
         sig = getattr(signal, name, None)
         if not isinstance(sig, signal.Signals):
-            logger.warning("Failed to register signal handler for %s: no such signal", name)
+            if log_unknown:
+                logger.warning("Failed to register signal handler for %s: no such signal", name)
             continue
         found.append(sig)
     return found
@@ -93,7 +102,7 @@ def install_handlers(signal_module: Any, threading_module: Any, log: logging.Log
             "This could lead to orphaned worker processes if the torchrun is terminated."
         )
         return
-    names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+    names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", _DEFAULT_HANDLED_NAMES)
     for sig_name in names.split(","):
         sig_name = sig_name.strip()
         if not sig_name:

@@ -60,7 +60,13 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from torchmp import _console, _hang
 from torchmp._exec import resolve_executable
-from torchmp._signals import SignalException, close_despite_interrupts, handled_signals
+from torchmp._signals import (
+    DEFAULT_HANDLED_SIGNALS,
+    SignalException,
+    _terminate_process_handler,
+    close_despite_interrupts,
+    handled_signals,
+)
 from torchmp.api import start_processes
 from torchmp.errors import ChildFailedError
 from torchmp._cli_console import (
@@ -90,18 +96,13 @@ from torchmp._cli_plan import (
 __all__ = ["build_parser", "main"]
 
 #: Signals that make ``torchmp run`` terminate its workers and exit 128 + N.
-HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+HANDLED_SIGNALS = DEFAULT_HANDLED_SIGNALS
 
 logger = logging.getLogger("torchmp.cli")
 
 
 # ---------------------------------------------------------------------------
 # Running
-
-
-def _raise_signal_exception(signum: int, frame: FrameType | None) -> None:
-    sigval = signal.Signals(signum)
-    raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
 
 
 if TYPE_CHECKING:
@@ -112,7 +113,7 @@ else:  # generic only in typeshed before Python 3.11
 
 def _install_handlers() -> None:
     for sig in HANDLED_SIGNALS:
-        signal.signal(sig, _raise_signal_exception)
+        signal.signal(sig, _terminate_process_handler)
 
 
 class _ConsoleHandler(_StreamHandler):

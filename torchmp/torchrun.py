@@ -34,7 +34,6 @@ installed.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
 import os
 import signal
@@ -46,14 +45,12 @@ from typing import Any
 
 import torchmp
 from torchmp import api as _tm_api
+from torchmp._signals import handled_signals
 from torchmp.errors import last_words, root_cause_order
 
 __all__ = ["main", "patched", "start_processes", "TorchNotAvailable"]
 
 logger = logging.getLogger(__name__)
-
-_DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
-
 
 class TorchNotAvailable(ImportError):
     """PyTorch (``torch.distributed``) cannot be imported."""
@@ -114,13 +111,11 @@ def _install_torch_signal_handlers() -> None:
     the agent catches to shut the workers down with that signal."""
     if threading.current_thread() is not threading.main_thread():
         return  # torchmp has already warned about it
-    for name in os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", _DEFAULT_SIGNALS).split(","):
-        sig = getattr(signal, name.strip(), None)
-        if isinstance(sig, signal.Signals):
-            try:
-                signal.signal(sig, _raise_torch_signal)
-            except (OSError, ValueError, RuntimeError):
-                pass  # torchmp logged the failure when it tried the same
+    for sig in handled_signals(log_unknown=False):  # torchmp logged them
+        try:
+            signal.signal(sig, _raise_torch_signal)
+        except (OSError, ValueError, RuntimeError):
+            pass  # torchmp logged the failure when it tried the same
 
 
 def to_torch_failure(failure: torchmp.ProcessFailure) -> Any:
@@ -226,13 +221,6 @@ class TorchrunContext:
 # The agent's start_processes
 
 
-def _functions_available() -> bool:
-    try:
-        return importlib.util.find_spec("torchmp._functions") is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def start_processes(
     name: str,
     entrypoint: Callable[..., Any] | str,
@@ -251,13 +239,9 @@ def start_processes(
     torch's own implementation, with a warning, for what torchmp does not do.
     """
     t = _load_torch()
-    fallback = None
     if numa_options is not None:
-        fallback = "numa_options (--numa-binding) is not supported by torchmp"
-    elif callable(entrypoint) and not _functions_available():
-        fallback = "torchmp's function launch (torchmp._functions) is not installed"
-    if fallback is not None:
-        logger.warning("%s; starting the workers with torch's start_processes", fallback)
+        logger.warning("numa_options (--numa-binding) is not supported by torchmp; "
+                       "starting the workers with torch's start_processes")
         return t.start_processes(
             name=name, entrypoint=entrypoint, args=args, envs=envs, logs_specs=logs_specs,
             log_line_prefixes=log_line_prefixes, start_method=start_method,
