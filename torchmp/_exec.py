@@ -1,6 +1,8 @@
 """What an exec needs, prepared in the parent before any fork: the
-resolved path, the log files opened, the environment as envp (the one
-env -> envp builder of every start method), and exit statuses read back."""
+resolved path, the log files opened, the environment as envp, and exit
+statuses read back.  A rank's environment is built here for every start
+method (envp for an exec, a dict for a forkserver worker, os.environ for a
+forked one), all with _inputs._encode_env_item's encoding."""
 
 from __future__ import annotations
 
@@ -113,6 +115,24 @@ def _launcher_environ() -> dict[bytes, bytes]:
     # Python-level call per variable.
     items = data.items() if isinstance(data, dict) else os.environb.items()
     return {k: k + b"=" + v for k, v in items}
+
+
+def rank_environb(rank: int, overrides: Mapping[Any, Any]) -> dict[bytes, bytes]:
+    """The launcher's environment with envs[rank] on top, name -> value (what
+    a forkserver worker sets as its os.environb)."""
+    env = dict(os.environb)
+    for key, value in overrides.items():
+        kb, vb = _encode_env_item(rank, key, value)
+        env[kb] = vb
+    return env
+
+
+def apply_rank_env(rank: int, overrides: Mapping[Any, Any]) -> None:
+    """Put envs[rank] into this process's environment (a forked worker, whose
+    environment is the launcher's already)."""
+    for key, value in overrides.items():
+        kb, vb = _encode_env_item(rank, key, value)
+        os.environb[kb] = vb
 
 
 def _exec_env(rank: int, overrides: Mapping[Any, Any], base: dict[bytes, bytes] | None = None) -> list[bytes]:

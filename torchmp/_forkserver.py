@@ -41,7 +41,7 @@ import time
 from typing import Any
 
 from torchmp import _core, _worker
-from torchmp._exec import _RETURN_CHANNEL
+from torchmp._exec import _RETURN_CHANNEL, _exec_env, rank_environb
 
 __all__ = ["set_forkserver_preload", "get_forkserver"]
 
@@ -101,7 +101,7 @@ class ForkServer:
             prep = _worker.preparation_data()
             setup = pickle.dumps((prep, list(_preload)), protocol=pickle.HIGHEST_PROTOCOL)
             argv = _worker.interpreter_argv("torchmp._forkserver", "server_main")
-            env = [k + b"=" + v for k, v in os.environb.items()]
+            env = _exec_env(0, {})  # the launcher's
             group = _core.Group(1)
             inherit = (_core.STREAM_INHERIT, -1, -1, None)
             group.spawn([(os.fsencode(sys.executable), argv, env, inherit, inherit, inherit, child_sock.fileno())])
@@ -193,7 +193,7 @@ class ForkServer:
                     try:
                         # The launcher's environment now, not the server's from
                         # when it started: a variable removed since must not leak.
-                        env = _worker.full_env(ctx.envs[rank])
+                        env = rank_environb(rank, ctx.envs[rank])
                         # The env apart from the function: a worker whose
                         # function cannot be unpickled still knows where its
                         # error file goes.

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torchmp import _core, _worker
-from torchmp._exec import _RETURN_CHANNEL, _ExecPlan, _exec_env, _exitcode, _launcher_environ
+from torchmp._exec import _RETURN_CHANNEL, _ExecPlan, _exec_env, _exitcode, _launcher_environ, apply_rank_env
 from torchmp._inputs import START_METHODS
 from torchmp._native import KILL_GRACE_SECONDS, _NativeContext, logger
 from torchmp._pcontext import RunProcsResult
@@ -316,7 +316,7 @@ class MultiprocessContext(_NativeContext):
                     sys.unraisablehook = previous_hook
                     # The child must never unwind into the launcher's frames.
                     try:
-                        _fork_child(self._fn, self.args[rank], self.envs[rank],
+                        _fork_child(self._fn, self.args[rank], rank, self.envs[rank],
                                     ret_fd, launcher_signals)
                     finally:
                         os._exit(1)
@@ -445,14 +445,17 @@ class MultiprocessContext(_NativeContext):
         return super()._lost_status_reason(rank)
 
 
-def _fork_child(fn: Callable[..., Any], args: tuple[Any, ...], env: dict[str, Any], ret_fd: int,
+def _fork_child(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, env: dict[str, Any], ret_fd: int,
                 default_signals: tuple[int, ...]) -> None:
     """Body of a forked worker: never returns into the launcher's frames."""
     try:
+        # fork_rank reset these in C at fork, so none of the launcher's
+        # handlers can run here; this tells Python's own table the same
+        # (signal.getsignal, and a handler the function installs on top).
         for sig in default_signals:
             signal.signal(sig, signal.SIG_DFL)
         _worker.fresh_stdio()
-        _worker.apply_env(env)
+        apply_rank_env(rank, env)
     except BaseException:
         os._exit(1)
     _worker.run(fn, args, ret_fd)
