@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import psutil
@@ -17,6 +21,10 @@ from torchmp import DefaultLogsSpecs, Std
 HERE = Path(__file__).resolve().parent
 BIN = HERE / "bin"
 REPO = HERE.parent
+
+#: Where the torchmp these tests import comes from (installed, or a built
+#: source tree): launcher programs are given it on PYTHONPATH.
+TORCHMP_PATH = str(Path(torchmp.__file__).resolve().parent.parent)
 
 
 def pid_alive(pid: int) -> bool:
@@ -72,6 +80,31 @@ def launch(entrypoint, args, envs=None, *, log_dir, redirects=Std.NONE, tee=Std.
     return torchmp.start_processes(name, entrypoint, args, envs, specs, **kwargs)
 
 
+def launcher_env(env=None, *, tag: str | None = None, unset: Iterable[str] = (),
+                 trailing_pathsep: bool = False) -> dict[str, str]:
+    """The environment of a launcher program: this one, with TORCHMP_PATH
+    first on PYTHONPATH, TAG_VAR=tag (if a tag is given), the names in
+    `unset` removed, then `env` on top.
+
+    trailing_pathsep: PYTHONPATH is TORCHMP_PATH + os.pathsep + the old
+    value even when there is none (an empty entry, which puts the cwd on
+    sys.path), as test_cli, test_torchrun and test_process_safety have
+    always launched; otherwise empty parts are left out.
+    """
+    full_env = dict(os.environ)
+    if trailing_pathsep:
+        full_env["PYTHONPATH"] = TORCHMP_PATH + os.pathsep + full_env.get("PYTHONPATH", "")
+    else:
+        full_env["PYTHONPATH"] = os.pathsep.join(p for p in (TORCHMP_PATH, full_env.get("PYTHONPATH")) if p)
+    if tag is not None:
+        full_env[TAG_VAR] = tag
+    for name in unset:
+        full_env.pop(name, None)
+    if env:
+        full_env.update(env)
+    return full_env
+
+
 def popen_launcher(script: str, *, env=None, **kwargs) -> subprocess.Popen:
     """Start a launcher program in a fresh interpreter, in its own session.
 
@@ -79,13 +112,7 @@ def popen_launcher(script: str, *, env=None, **kwargs) -> subprocess.Popen:
     as the tests (installed, or a source tree on PYTHONPATH); its cwd is "/"
     so that `python -c` cannot pick up an unbuilt source tree from the cwd.
     """
-    full_env = dict(os.environ)
-    # Wherever this torchmp came from (installed, or a built source tree).
-    origin = str(Path(torchmp.__file__).resolve().parent.parent)
-    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (origin, full_env.get("PYTHONPATH")) if p)
-    if env:
-        full_env.update(env)
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], env=full_env,
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], env=launcher_env(env),
                             cwd="/", start_new_session=True, **kwargs)
 
 
@@ -102,6 +129,18 @@ def run_launcher(script: str, *, timeout: float = 60, env=None, stdout=subproces
     finally:
         kill_groups([proc.pid])
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def table_rows(lines: Iterable[str], row: re.Pattern[str]) -> dict[int, dict[str, str | None]]:
+    """The rows of a table printed one a line (a summary, a hang report),
+    up to the first line that is not one: the groups of `row`, by rank."""
+    rows = {}
+    for line in lines:
+        m = row.match(line)
+        if not m:
+            break
+        rows[int(m["rank"])] = m.groupdict()
+    return rows
 
 
 def python_worker(code: str) -> tuple[str, tuple[str, ...]]:
@@ -167,3 +206,117 @@ def wait_no_tagged(tag: str, timeout: float = 5.0) -> list[psutil.Process]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.02)
+
+
+# --- a launcher program under test, stopped by tag and process group -----------
+
+class Launcher:
+    """A launcher program (``argv``) in a session of its own, with a unique
+    TAG_VAR its workers inherit.
+
+    Its environment is launcher_env(env, tag=self.tag, unset=unset,
+    trailing_pathsep=...) and its cwd "/" unless told (so that ``python -m``
+    or ``python -c`` cannot pick up an unbuilt source tree from the cwd);
+    stdin is /dev/null, stdout and stderr are pipes, text with errors
+    replaced unless text=False.  Read them with communicate(), or with
+    follow=True line by line as they come (self.out, self.err, wait_for(),
+    finish()).  stop() kills what is left -- the processes carrying the tag
+    and the launcher's process group -- and reaps it; use it in a fixture's
+    teardown or a ``with`` block (Launchers) so it runs when a test fails.
+    """
+
+    def __init__(self, argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | Path = "/",
+                 unset: Iterable[str] = ("TORCHELASTIC_SIGNALS_TO_HANDLE",), trailing_pathsep: bool = False,
+                 text: bool = True, errors: str = "replace", follow: bool = False) -> None:
+        self.tag = uuid.uuid4().hex
+        self.text = text
+        self.proc = subprocess.Popen(
+            list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env=launcher_env(env, tag=self.tag, unset=unset, trailing_pathsep=trailing_pathsep),
+            cwd=cwd, start_new_session=True, text=text, errors=errors if text else None)
+        self.out: list = []
+        self.err: list = []
+        self._cond = threading.Condition()
+        self._readers: list[threading.Thread] = []
+        if follow:
+            self._readers = [threading.Thread(target=self._read, args=(s, lines), daemon=True)
+                             for s, lines in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+            for t in self._readers:
+                t.start()
+
+    def _read(self, stream, lines: list) -> None:
+        newline = "\n" if self.text else b"\n"
+        for line in stream:
+            with self._cond:
+                lines.append(line.rstrip(newline))
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    def communicate(self, timeout: float = 20) -> tuple[int, str, str]:
+        """Wait for the launcher's exit: (returncode, stdout, stderr).  If it
+        does not exit in time, it is killed and the test fails."""
+        assert not self._readers, "communicate() of a launcher whose output is followed"
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stop_launcher(self.proc, self.tag)
+            out, err = self.proc.communicate()
+            raise AssertionError(f"launcher did not finish in {timeout}s:\n{out}\n{err}") from None
+        return self.proc.returncode, out, err
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float, what: str) -> None:
+        """With follow=True: wait until predicate() (over self.out and
+        self.err) is true, or fail the test showing the output so far."""
+        with self._cond:
+            if not self._cond.wait_for(predicate, timeout):
+                raise AssertionError(f"timed out waiting for {what}:\n" + "\n".join(map(str, self.out + self.err)))
+
+    def finish(self, timeout: float = 30) -> int:
+        """With follow=True: wait for the exit and the last lines; the returncode."""
+        code = self.proc.wait(timeout)
+        for t in self._readers:
+            t.join(5)
+        return code
+
+    def stop(self) -> None:
+        """Kill what is left of the run, reap the launcher, close its pipes
+        (again and again if need be)."""
+        stop_launcher(self.proc, self.tag)
+        for t in self._readers:
+            t.join(5)
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream:
+                stream.close()
+
+    def __enter__(self) -> Launcher:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class Launchers:
+    """The launchers a test starts, all stopped when the ``with`` block (a
+    fixture's teardown) ends, whether the test passed or not.  Keyword
+    arguments given here are defaults for every Launcher."""
+
+    def __init__(self, **defaults) -> None:
+        self.defaults = defaults
+        self.started: list[Launcher] = []
+
+    def start(self, argv: Sequence[str], **kwargs) -> Launcher:
+        launched = Launcher(argv, **{**self.defaults, **kwargs})
+        self.started.append(launched)
+        return launched
+
+    def python(self, script: str, *args: str, argv_prefix: Sequence[str] = (), **kwargs) -> Launcher:
+        """A launcher ``[*argv_prefix, python, -c, script, *args]``, script dedented."""
+        return self.start([*argv_prefix, sys.executable, "-c", textwrap.dedent(script), *args], **kwargs)
+
+    def __enter__(self) -> Launchers:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for launched in self.started:
+            launched.stop()

@@ -17,19 +17,13 @@ import sys
 import tempfile
 import textwrap
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 
 import torchmp
 
-from helpers import TAG_VAR, kill_tagged, tagged, wait_gone, wait_no_tagged
-
-# Subprocesses import the torchmp these tests import (installed, or a built
-# source tree), and run from "/" so that `python -m` cannot pick up an
-# unbuilt source tree from the current directory.
-TORCHMP_PATH = str(Path(torchmp.__file__).resolve().parent.parent)
+from helpers import TORCHMP_PATH, Launcher, Launchers, table_rows, tagged, wait_gone, wait_no_tagged
 
 ROW = re.compile(
     r"^\s*(?P<rank>\d+)\s+(?P<pid>\d+)\s+(?P<exit>\S+)\s+(?P<wall>\d+\.\d{3})s\s+"
@@ -37,62 +31,17 @@ ROW = re.compile(
 )
 
 
-class Cli:
-    """One ``python -m torchmp ...`` process, cleaned up by tag."""
-
-    def __init__(self, args: list[str], env: dict[str, str] | None = None,
-                 preamble: str | None = None) -> None:
-        self.tag = uuid.uuid4().hex
-        full_env = dict(os.environ)
-        full_env["PYTHONPATH"] = TORCHMP_PATH + os.pathsep + full_env.get("PYTHONPATH", "")
-        full_env[TAG_VAR] = self.tag
-        full_env.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
-        if env:
-            full_env.update(env)
-        # preamble: code run in the launcher's interpreter before the command.
-        head = ["-m", "torchmp"] if preamble is None else [
-            "-c", textwrap.dedent(preamble) + "\nfrom torchmp.__main__ import main\nsys.exit(main())"]
-        self.proc = subprocess.Popen(
-            [sys.executable, *head, *args],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env=full_env, cwd="/", start_new_session=True, text=True, errors="replace",
-        )
-
-    def communicate(self, timeout: float = 20) -> tuple[int, str, str]:
-        try:
-            out, err = self.proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.cleanup()
-            out, err = self.proc.communicate()
-            raise AssertionError(f"torchmp did not finish in {timeout}s:\n{out}\n{err}") from None
-        return self.proc.returncode, out, err
-
-    def cleanup(self) -> None:
-        kill_tagged(self.tag)
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except OSError:
-                pass
-        self.proc.wait(timeout=10)
-
-
 @pytest.fixture
 def torchmp_cli():
-    started: list[Cli] = []
+    """Start ``python -m torchmp ARGS`` (a Launcher); stopped at the end of the test."""
+    with Launchers(trailing_pathsep=True) as launchers:
+        def start(*args: str, env: dict[str, str] | None = None, preamble: str | None = None) -> Launcher:
+            # preamble: code run in the launcher's interpreter before the command.
+            head = ["-m", "torchmp"] if preamble is None else [
+                "-c", textwrap.dedent(preamble) + "\nfrom torchmp.__main__ import main\nsys.exit(main())"]
+            return launchers.start([sys.executable, *head, *args], env=env)
 
-    def start(*args: str, env: dict[str, str] | None = None, preamble: str | None = None) -> Cli:
-        c = Cli(list(args), env, preamble)
-        started.append(c)
-        return c
-
-    yield start
-    for c in started:
-        c.cleanup()
-        if c.proc.stdout:
-            c.proc.stdout.close()
-        if c.proc.stderr:
-            c.proc.stderr.close()
+        yield start
 
 
 @pytest.fixture
@@ -118,13 +67,7 @@ def summary_rows(stderr: str) -> dict[int, dict[str, str]]:
     lines = stderr.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("torchmp: summary of "))
     assert re.fullmatch(r"rank\s+pid\s+exit\s+wall\s+cpu\s+max rss", lines[start + 1]), lines[start + 1]
-    rows = {}
-    for line in lines[start + 2:]:
-        m = ROW.match(line)
-        if not m:
-            break
-        rows[int(m["rank"])] = m.groupdict()
-    return rows
+    return table_rows(lines[start + 2:], ROW)
 
 
 def summary_title(stderr: str) -> str:

@@ -1,16 +1,17 @@
-"""Function entrypoints: spawn, fork and forkserver.
+"""Function entrypoints, the same tests under spawn, fork and forkserver.
 
 Return values, environments, fd-level redirects and tee, error.json, exit
 codes and signals, pickling errors, fail-fast, process-group cleanup, the
-``__main__`` guard, the forkserver's life cycle and fd hygiene.  The worker
-functions live in tests/fn_workers.py so spawn and forkserver workers can
-import them.
+``__main__`` guard and fd hygiene.  What is particular to one start method
+is in test_functions_spawn.py, test_functions_fork.py and
+test_functions_forkserver.py; the shared helpers are in fn_helpers.py, the
+worker functions in tests/fn_workers.py (so spawn and forkserver workers can
+import them).
 """
 from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -22,62 +23,14 @@ import psutil
 import pytest
 
 import torchmp
-from torchmp import ProcessFailure, RunProcsResult, Std
-from torchmp import _core, _forkserver
+from torchmp import ProcessFailure, Std
 from torchmp.errors import ChildFailedError
 
 import fn_workers as fw
-from helpers import kill_groups, launch, pid_alive, popen_launcher, read_pids, run_launcher, wait_gone
-
-METHODS = ("spawn", "fork", "forkserver")
-PICKLING_METHODS = ("spawn", "forkserver")
-MB = 1 << 20
-
-
-# --- fixtures and helpers ------------------------------------------------------
-
-def _server_pid() -> int | None:
-    server = _forkserver._server
-    if server is None or server._group is None:
-        return None
-    return server._group.snapshot()[1][0][1]
-
-
-@pytest.fixture(autouse=True)
-def _forkserver_hygiene():
-    """Each test starts with no forkserver and ends with none: a server
-    started during a test is stopped (and reaped) before the leak guard
-    looks for leftover children and fds."""
-    _forkserver.get_forkserver()._stop()
-    _forkserver.set_forkserver_preload([])
-    yield
-    _forkserver.set_forkserver_preload([])
-    _forkserver.get_forkserver()._stop()
-
-
-def use_fd_level_std(monkeypatch) -> None:
-    """Make sys.stdout/sys.stderr write to fds 1/2, as in a real launcher.
-
-    pytest's capture replaces them with objects writing to a file of its own;
-    a forked worker would inherit those objects (see
-    test_fork_worker_print_reaches_the_log_when_sys_stdout_is_not_fd_1)."""
-    monkeypatch.setattr(sys, "stdout", sys.__stdout__)
-    monkeypatch.setattr(sys, "stderr", sys.__stderr__)
-
-
-def start(tmp_path, fn, args, start_method, envs=None, *, log_dir=None, **kw):
-    return launch(fn, args, envs, log_dir=log_dir or tmp_path / "logs", start_method=start_method, **kw)
-
-
-def run(tmp_path, fn, args, start_method, envs=None, *, timeout=30, **kw) -> RunProcsResult:
-    """Launch, wait for the result, and always close (killing the groups)."""
-    ctx = start(tmp_path, fn, args, start_method, envs, **kw)
-    try:
-        result = ctx.wait(timeout)
-    finally:
-        ctx.close(signal.SIGKILL, timeout=5)
-    assert result is not None, f"no result within {timeout}s"
-    return result
+from fn_helpers import (MB, METHODS, PICKLING_METHODS, UNPICKLABLE, expected_streams, run, server_pid, start,
+                        use_fd_level_std)
+from fn_helpers import forkserver_hygiene  # noqa: F401 (autouse: a fixture of this module)
+from helpers import kill_groups, pid_alive, popen_launcher, read_pids, wait_gone
 
 
 def children() -> set[int]:
@@ -88,15 +41,6 @@ def read_error_json(failure: ProcessFailure) -> dict:
     return json.loads(Path(failure.error_file).read_text())
 
 
-def expected_streams(rank: int) -> tuple[bytes, bytes]:
-    """What fw.write_everywhere(rank) writes to fd 1 and fd 2, in order."""
-    out = (f"print {rank}\nos.write {rank}\nlibc printf {rank}\nlibc puts\nfrom-child {rank}\n".encode()
-           + b"non-utf8 \xff\xfe\x00 bytes\n"
-           + f"tail {rank} (unflushed, no newline)".encode())
-    err = f"from-child-err {rank}\nprint err {rank}\nos.write err\n".encode()
-    return out, err
-
-
 def all_exited(ctx) -> bool:
     """The I/O thread has recorded every rank's exit (without calling wait)."""
     from torchmp import _core
@@ -105,7 +49,7 @@ def all_exited(ctx) -> bool:
     return all(info[0] == _core.PROC_EXITED for info in ranks)
 
 
-# --- return values -------------------------------------------------------------
+# --- return values ------------------------------------------------------------
 
 @pytest.mark.parametrize("start_method", METHODS)
 def test_return_values_come_back_exactly_rank_by_rank(tmp_path, start_method):
@@ -161,7 +105,7 @@ def test_return_value_survives_close_before_wait(tmp_path, start_method):
     assert not result.is_failed() and result.return_values == {0: {"k": [1, 2]}}
 
 
-# --- environment ---------------------------------------------------------------
+# --- environment --------------------------------------------------------------
 
 @pytest.mark.parametrize("start_method", METHODS)
 def test_each_worker_sees_its_envs_before_the_function_runs(tmp_path, start_method, monkeypatch):
@@ -206,7 +150,7 @@ def test_bytes_env_keys_and_values(tmp_path, start_method):
                                          "b'TORCHMP_T_BKEY'": None}}
 
 
-# --- arguments, imports, the 1.9 signature ---------------------------------------
+# --- arguments ----------------------------------------------------------------
 
 @pytest.mark.parametrize("start_method", METHODS)
 def test_large_args_reach_the_worker(tmp_path, start_method):
@@ -218,41 +162,7 @@ def test_large_args_reach_the_worker(tmp_path, start_method):
                                     1: (1000, hashlib.sha256(data[:1000]).hexdigest())}
 
 
-def test_spawn_worker_imports_nothing_heavy(tmp_path):
-    # From a launcher whose __main__ is light (`python -c`): under the pytest
-    # command, workers would re-import pytest's script as __mp_main__.
-    heavy = ("torchmp.api", "torchmp.errors", "torchmp.logs_specs", "torchmp._functions", "logging", "json")
-    res = run_launcher(f"""
-        import sys
-        sys.path.insert(0, {str(Path(fw.__file__).parent)!r})
-        import fn_workers, torchmp
-        ctx = torchmp.start_processes("t", fn_workers.loaded_modules, {{0: ({heavy!r},)}}, {{0: {{}}}},
-                                      torchmp.DefaultLogsSpecs(log_dir={str(tmp_path)!r}), start_method="spawn")
-        result = ctx.wait(60)
-        ctx.close()
-        print(result.return_values[0])
-    """)
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.decode().strip() == str(dict.fromkeys(heavy, False))
-
-
-def test_torch_19_signature_with_a_function(tmp_path, monkeypatch):
-    use_fd_level_std(monkeypatch)
-    log_dir = tmp_path / "legacy"
-    ctx = torchmp.start_processes("trainer", fw.write_everywhere, {0: (0,), 1: (1,)}, {0: {}, 1: {}},
-                                  str(log_dir), "fork", Std.ALL, Std.NONE)
-    try:
-        result = ctx.wait(30)
-    finally:
-        ctx.close()
-    assert result.return_values == {0: 0, 1: 1}
-    for rank in (0, 1):
-        assert result.stdouts[rank] == str(log_dir / str(rank) / "stdout.log")
-        assert (log_dir / str(rank) / "stdout.log").read_bytes() == expected_streams(rank)[0]
-        assert (log_dir / str(rank) / "stderr.log").read_bytes() == expected_streams(rank)[1]
-
-
-# --- streams -------------------------------------------------------------------
+# --- streams ------------------------------------------------------------------
 
 @pytest.mark.parametrize("start_method", METHODS)
 def test_redirect_is_fd_level_and_exact(tmp_path, start_method, monkeypatch):
@@ -303,21 +213,7 @@ def test_tee_prefixes_console_lines_and_keeps_the_log_exact(tmp_path, start_meth
             assert got[rank] == lines, (rank, stream)
 
 
-def test_fork_worker_print_reaches_the_log_when_sys_stdout_is_not_fd_1(tmp_path, monkeypatch):
-    # pytest capture, Jupyter, or a launcher that reassigned sys.stdout: the
-    # worker must still print() to its fd 1, where the redirect is.
-    elsewhere = open(tmp_path / "launcher-own-stdout.txt", "w")
-    try:
-        monkeypatch.setattr(sys, "stdout", elsewhere)
-        result = run(tmp_path, fw.write_everywhere, {0: (0,)}, "fork", redirects=Std.ALL)
-    finally:
-        monkeypatch.undo()
-        elsewhere.close()
-    assert (tmp_path / "launcher-own-stdout.txt").read_text() == ""
-    assert Path(result.stdouts[0]).read_bytes() == expected_streams(0)[0]
-
-
-# --- failures ------------------------------------------------------------------
+# --- failures -----------------------------------------------------------------
 
 @pytest.mark.parametrize("start_method", METHODS)
 def test_exception_writes_torch_shaped_error_json(tmp_path, start_method, monkeypatch):
@@ -458,33 +354,7 @@ def test_return_value_that_cannot_be_unpickled_in_the_launcher(tmp_path, start_m
     assert "this object refuses to be unpickled" in text
 
 
-def test_wait_again_after_an_unpickling_error_does_not_report_success(tmp_path):
-    ctx = start(tmp_path, fw.return_unpicklable_in_launcher, {0: ()}, "fork")
-    try:
-        with pytest.raises(RuntimeError):
-            ctx.wait(30)
-    finally:
-        ctx.close()
-    with pytest.raises(RuntimeError, match="could not be unpickled"):
-        ctx.wait(0)
-
-
-# --- pickling the entrypoint -------------------------------------------------------
-
-def _make_local():
-    offset = 10
-
-    def local(x):
-        return x + offset
-
-    return local
-
-
-UNPICKLABLE = {
-    "lambda": (lambda x: x * 2, 21, 42),
-    "local": (_make_local(), 5, 15),
-}
-
+# --- pickling the entrypoint (spawn and forkserver) ---------------------------
 
 @pytest.mark.parametrize("start_method", PICKLING_METHODS)
 @pytest.mark.parametrize("kind", sorted(UNPICKLABLE))
@@ -497,7 +367,7 @@ def test_unpicklable_entrypoint_rejected_before_anything_starts(tmp_path, start_
     assert "cannot be pickled" in str(info.value)
     assert fn.__qualname__ in str(info.value)
     assert children() == before
-    assert _server_pid() is None  # not even the forkserver was started
+    assert server_pid() is None  # not even the forkserver was started
     assert not log_dir.exists() or list(log_dir.rglob("*")) == []
 
 
@@ -508,19 +378,11 @@ def test_unpicklable_args_rejected_before_anything_starts(tmp_path, start_method
     with pytest.raises(ValueError, match=r"args\[1\]"):
         start(tmp_path, fw.return_arg, {0: (1,), 1: (threading.Lock(),)}, start_method, log_dir=log_dir)
     assert children() == before
-    assert _server_pid() is None
+    assert server_pid() is None
     assert not log_dir.exists() or list(log_dir.rglob("*")) == []
 
 
-@pytest.mark.parametrize("kind", sorted(UNPICKLABLE))
-def test_unpicklable_entrypoint_works_with_fork(tmp_path, kind):
-    fn, arg, expected = UNPICKLABLE[kind]
-    result = run(tmp_path, fn, {0: (arg,), 1: (arg + 1,)}, "fork")
-    assert not result.is_failed(), result.failures
-    assert result.return_values == {0: expected, 1: fn(arg + 1)}
-
-
-# --- fail-fast and cleanup -----------------------------------------------------------
+# --- fail-fast and cleanup ----------------------------------------------------
 
 @pytest.mark.parametrize("start_method", METHODS)
 def test_fail_fast_terminates_siblings_and_blames_the_raising_rank(tmp_path, start_method):
@@ -621,7 +483,7 @@ def test_workers_die_with_a_sigkilled_launcher(tmp_path, start_method):
         launcher.stdout.close()
 
 
-# --- the __main__ guard --------------------------------------------------------------
+# --- the __main__ guard -------------------------------------------------------
 
 MAIN_SCRIPT = '''
 import os
@@ -724,150 +586,7 @@ def test_return_value_of_a_main_module_class(tmp_path, start_method):
     assert [report["values"][r]["box"] for r in (0, 1)] == [[True, 0], [True, 10]]
 
 
-# --- forkserver --------------------------------------------------------------------
-
-def test_forkserver_death_is_reported_and_a_new_server_starts(tmp_path):
-    pidfile = tmp_path / "pids"
-    ctx = start(tmp_path, fw.announce_and_sleep, {0: (str(pidfile),), 1: (str(pidfile),)}, "forkserver")
-    workers = list(ctx.pids().values())
-    server = _server_pid()
-    try:
-        read_pids(pidfile, 2, timeout=20)
-        assert server is not None and pid_alive(server)
-        assert all(psutil.Process(w).ppid() == server for w in workers)
-        os.kill(server, signal.SIGKILL)
-        t0 = time.monotonic()
-        result = ctx.wait(30)
-        assert time.monotonic() - t0 < 10
-    finally:
-        ctx.close(signal.SIGKILL, timeout=5)
-        kill_groups([p for p in workers if pid_alive(p)])
-    assert result is not None and set(result.failures) == {0, 1}
-    for rank, failure in result.failures.items():
-        # The workers died of their parent-death signal with the server.
-        assert failure.pid == workers[rank] and failure.exitcode == -signal.SIGKILL
-        assert failure.message == "its exit status was lost: the forkserver that started it died"
-    assert "forkserver" in str(ChildFailedError("trainer", result.failures))
-    assert wait_gone(workers + [server], 5.0) == []
-    # The next launch starts a new server and works.
-    result = run(tmp_path, fw.ident, {0: (), 1: ()}, "forkserver", log_dir=tmp_path / "again")
-    assert not result.is_failed(), result.failures
-    new_server = _server_pid()
-    assert new_server not in (None, server) and pid_alive(new_server)
-    assert {v[1] for v in result.return_values.values()} == {new_server}
-
-
-def _kill_idle_server() -> int:
-    server = _server_pid()
-    sock = _forkserver.get_forkserver()._sock
-    os.kill(server, signal.SIGKILL)
-    # The server's end of the socket is closed: it is dead as far as the
-    # launcher can tell (the I/O thread may not have reaped it yet).
-    ready, _, _ = select.select([sock], [], [], 5)
-    assert ready
-    return server
-
-
-def test_launch_right_after_an_idle_forkserver_died_starts_a_new_one(tmp_path):
-    # The I/O thread may not have reaped the server yet (a race the launcher
-    # used to lose in most attempts, with ConnectionResetError or
-    # ForkServerDied('Broken pipe')).
-    for attempt in range(3):
-        run(tmp_path, fw.ident, {0: ()}, "forkserver", log_dir=tmp_path / f"warm{attempt}")
-        dead = _kill_idle_server()
-        result = run(tmp_path, fw.ident, {0: ()}, "forkserver", log_dir=tmp_path / f"next{attempt}")
-        assert not result.is_failed(), result.failures
-        assert result.return_values[0][1] == _server_pid() != dead
-
-
-def test_launch_after_an_idle_forkserver_died_and_was_reaped(tmp_path):
-    run(tmp_path, fw.ident, {0: ()}, "forkserver", log_dir=tmp_path / "warm")
-    dead = _kill_idle_server()
-    deadline = time.monotonic() + 5
-    while _forkserver.get_forkserver()._alive() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    result = run(tmp_path, fw.ident, {0: ()}, "forkserver", log_dir=tmp_path / "next")
-    assert not result.is_failed(), result.failures
-    assert result.return_values[0][1] == _server_pid() != dead
-
-
-def test_forkserver_preload_is_imported_by_a_fresh_server(tmp_path):
-    modules = ("fn_workers", "colorsys")
-    # Without a preload, the server has neither; each worker imports
-    # fn_workers itself when it unpickles its function.
-    _forkserver.get_forkserver()._stop()
-    result = run(tmp_path, fw.preload_report, {0: (modules,)}, "forkserver", log_dir=tmp_path / "a")
-    plain = result.return_values[0]
-    assert plain["imported_by"] == plain["pid"]
-    assert plain["loaded"] == {"fn_workers": True, "colorsys": False}
-    _forkserver.get_forkserver()._stop()
-
-    _forkserver.set_forkserver_preload(list(modules))
-    result = run(tmp_path, fw.preload_report, {0: (modules,), 1: (modules,)}, "forkserver",
-                 log_dir=tmp_path / "b")
-    server = _server_pid()
-    for rank in (0, 1):
-        report = result.return_values[rank]
-        assert report["ppid"] == server
-        assert report["imported_by"] == server  # imported once, in the server
-        assert report["loaded"] == {"fn_workers": True, "colorsys": True}
-
-
-def test_forkserver_preload_rejects_a_bare_string():
-    with pytest.raises(TypeError):
-        _forkserver.set_forkserver_preload("json")
-
-
-def test_forkserver_survives_a_bad_preload(tmp_path, capfd):
-    _forkserver.get_forkserver()._stop()
-    _forkserver.set_forkserver_preload(["no_such_module_torchmp_t", "colorsys"])
-    result = run(tmp_path, fw.preload_report, {0: (("colorsys",),)}, "forkserver")
-    assert not result.is_failed(), result.failures
-    assert result.return_values[0]["loaded"] == {"colorsys": True}
-    _, err = capfd.readouterr()
-    assert "no_such_module_torchmp_t" in err
-
-
-def test_forkserver_is_started_once_and_reused(tmp_path):
-    assert _server_pid() is None
-    first = run(tmp_path, fw.ident, {0: ()}, "forkserver", log_dir=tmp_path / "a")
-    server = _server_pid()
-    second = run(tmp_path, fw.ident, {0: (), 1: ()}, "forkserver", log_dir=tmp_path / "b")
-    assert server is not None and _server_pid() == server and pid_alive(server)
-    # (pid, ppid, main thread): every worker is a fresh child of the one server
-    assert first.return_values[0][1] == server
-    assert {v[1] for v in second.return_values.values()} == {server}
-    assert len({first.return_values[0][0]} | {v[0] for v in second.return_values.values()}) == 3
-
-
-# --- fork specifics --------------------------------------------------------------------
-
-def test_fork_from_a_non_main_thread(tmp_path):
-    box: dict[str, object] = {}
-
-    def body():
-        try:
-            ctx = start(tmp_path, fw.ident, {0: (), 1: ()}, "fork")
-            try:
-                box["pids"] = ctx.pids()
-                box["result"] = ctx.wait(30)
-            finally:
-                ctx.close(signal.SIGKILL, timeout=5)
-        except BaseException as e:  # reported below
-            box["error"] = e
-
-    thread = threading.Thread(target=body)
-    thread.start()
-    thread.join(60)
-    assert not thread.is_alive()
-    assert "error" not in box, box.get("error")
-    result = box["result"]
-    assert not result.is_failed(), result.failures
-    pids = box["pids"]
-    # (pid, ppid, is the main thread): the worker is a child of this process
-    # and its forking thread became its main thread.
-    assert result.return_values == {r: (pids[r], os.getpid(), True) for r in (0, 1)}
-
+# --- signal dispositions and masks --------------------------------------------
 
 @pytest.mark.parametrize("start_method", METHODS)
 def test_worker_gets_the_default_sigterm_action(tmp_path, start_method):
@@ -895,48 +614,7 @@ def test_worker_starts_with_no_signals_blocked(tmp_path, start_method):
     assert result.return_values == {0: set()}
 
 
-class _DevNullTee:
-    """Logs specs teeing stdout into /dev/null: output that only keeps the
-    I/O thread busy, without filling a disk."""
-
-    root_log_dir = os.devnull
-
-    def reify(self, envs):
-        from torchmp import LogsDest
-
-        n = len(envs)
-        return LogsDest(stdouts=dict.fromkeys(range(n), os.devnull), stderrs=dict.fromkeys(range(n), ""),
-                        tee_stdouts=dict.fromkeys(range(n), os.devnull), error_files=dict.fromkeys(range(n), ""))
-
-
-def test_fork_worker_exiting_at_once_is_seen_while_the_io_thread_is_busy(tmp_path, monkeypatch):
-    monkeypatch.setattr(torchmp._native, "KILL_GRACE_SECONDS", 0.5)
-    # Keep the I/O thread busy copying a flood of teed output (to /dev/null,
-    # console included), so the wake-ups of a launch pile up behind it.
-    console = os.dup(1)
-    null = os.open(os.devnull, os.O_WRONLY)
-    flood = None
-    try:
-        os.dup2(null, 1)
-        flood = torchmp.start_processes("flood", "sh", {0: ("-c", "exec cat /dev/zero",)}, {0: {}}, _DevNullTee())
-        for i in range(100):
-            ctx = start(tmp_path, fw.exit_now, {r: (0,) for r in range(4)}, "fork", log_dir=tmp_path / f"l{i}")
-            try:
-                result = ctx.wait(2)
-            finally:
-                ctx.close(signal.SIGKILL, timeout=0.5)
-            assert result is not None, f"launch {i}: a worker's exit was never seen"
-            # os._exit(0) skips the return value: each exit is seen and reported.
-            assert {r: f.exitcode for r, f in result.failures.items()} == {0: 0, 1: 0, 2: 0, 3: 0}
-    finally:
-        if flood is not None:
-            flood.close(signal.SIGKILL, timeout=1)
-        os.dup2(console, 1)
-        os.close(console)
-        os.close(null)
-
-
-# --- fd hygiene -----------------------------------------------------------------------
+# --- fd hygiene ---------------------------------------------------------------
 
 @pytest.mark.parametrize("start_method", METHODS)
 def test_a_worker_holds_no_other_ranks_pipe_ends(tmp_path, start_method, monkeypatch):
@@ -959,41 +637,6 @@ def test_a_worker_holds_no_other_ranks_pipe_ends(tmp_path, start_method, monkeyp
         for other in own:
             if other != rank:
                 assert not own[rank] & own[other], (rank, other, own)
-
-
-class _ForkFailsAt(_core.Group):
-    """A native group whose fork of one rank fails (as fork() does under
-    RLIMIT_NPROC or memory pressure), or is interrupted by a signal."""
-
-    fail_rank = 0
-    error: BaseException = OSError(11, "fork: Resource temporarily unavailable")
-    forked: list[int] = []
-
-    def fork_rank(self, rank, *args):
-        if rank == self.fail_rank:
-            raise self.error
-        pid, ret_fd = super().fork_rank(rank, *args)
-        if pid:
-            type(self).forked.append(pid)
-        return pid, ret_fd
-
-
-@pytest.mark.parametrize("error", [OSError(11, "fork: Resource temporarily unavailable"), KeyboardInterrupt()],
-                         ids=["EAGAIN", "interrupt"])
-def test_a_fork_failing_half_way_tears_down_the_ranks_started(tmp_path, monkeypatch, error):
-    use_fd_level_std(monkeypatch)
-    group_class = type("Group", (_ForkFailsAt,), {"fail_rank": 2, "error": error, "forked": []})
-    monkeypatch.setattr(_core, "Group", group_class)
-    with pytest.raises(type(error)):
-        launch(fw.announce_and_sleep, {r: (str(tmp_path / f"pid{r}"),) for r in range(4)},
-               log_dir=tmp_path / "logs", start_method="fork", tee=Std.ALL)
-    assert len(group_class.forked) == 2
-    for pid in group_class.forked:
-        # killed and reaped by the launcher, not left to the leak guard
-        assert not pid_alive(pid)
-        with pytest.raises(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG)
-
 
 
 def _fd_count() -> int:

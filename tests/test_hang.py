@@ -23,17 +23,14 @@ import sys
 import textwrap
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 
-import torchmp
 from torchmp import _hang, cli
 
-from helpers import TAG_VAR, pid_alive, stop_launcher, wait_no_tagged
+from helpers import Launcher, Launchers, pid_alive, table_rows, wait_no_tagged
 
-TORCHMP_PATH = str(Path(torchmp.__file__).resolve().parent.parent)
 TICK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -431,70 +428,16 @@ WORKER = textwrap.dedent("""\
 """)
 
 
-class Launcher:
-    """``python -m torchmp run ...`` whose stdout and stderr are read line by
-    line as they come."""
-
-    def __init__(self, args: list[str], cwd: Path, env: dict[str, str] | None = None) -> None:
-        self.tag = uuid.uuid4().hex
-        full_env = dict(os.environ)
-        full_env["PYTHONPATH"] = os.pathsep.join(p for p in (TORCHMP_PATH, os.environ.get("PYTHONPATH")) if p)
-        full_env[TAG_VAR] = self.tag
-        full_env.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
-        if env:
-            full_env.update(env)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "torchmp", "run", *args], stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full_env, cwd=cwd,
-            start_new_session=True, text=True, errors="replace")
-        self.out: list[str] = []
-        self.err: list[str] = []
-        self._cond = threading.Condition()
-        self._readers = [threading.Thread(target=self._read, args=(s, lines), daemon=True)
-                         for s, lines in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
-        for t in self._readers:
-            t.start()
-
-    def _read(self, stream, lines: list[str]) -> None:
-        for line in stream:
-            with self._cond:
-                lines.append(line.rstrip("\n"))
-                self._cond.notify_all()
-        with self._cond:
-            self._cond.notify_all()
-
-    def wait_for(self, predicate, timeout: float, what: str) -> None:
-        with self._cond:
-            if not self._cond.wait_for(predicate, timeout):
-                raise AssertionError(f"timed out waiting for {what}:\n" + "\n".join(self.out + self.err))
-
-    def finish(self, timeout: float = 30) -> int:
-        code = self.proc.wait(timeout)
-        for t in self._readers:
-            t.join(5)
-        return code
-
-    def cleanup(self) -> None:
-        stop_launcher(self.proc, self.tag)
-        for t in self._readers:
-            t.join(5)
-        for stream in (self.proc.stdout, self.proc.stderr):
-            if stream:
-                stream.close()
-
-
 @pytest.fixture
 def launcher():
-    started: list[Launcher] = []
+    """Start ``python -m torchmp run ARGS`` in cwd (a Launcher whose stdout
+    and stderr are read line by line as they come); stopped at the end of
+    the test."""
+    with Launchers(follow=True) as launchers:
+        def start(*args: str, cwd: Path, env: dict[str, str] | None = None) -> Launcher:
+            return launchers.start([sys.executable, "-m", "torchmp", "run", *args], cwd=cwd, env=env)
 
-    def start(*args: str, cwd: Path, env: dict[str, str] | None = None) -> Launcher:
-        la = Launcher(list(args), cwd, env)
-        started.append(la)
-        return la
-
-    yield start
-    for la in started:
-        la.cleanup()
+        yield start
 
 
 TITLE = re.compile(r"^torchmp: hang report (\d+) of (\S+) \((.+?)\), \d+\.\ds after start, (.+); cpu: (.+)$")
@@ -508,13 +451,7 @@ def parse_report(lines: list[str], number: int) -> tuple[re.Match, dict[int, dic
     title = TITLE.match(lines[start])
     assert re.split(r"\s{2,}", lines[start + 1]) == ["rank", "pid", "state", "cpu", "rss", "last output",
                                                      "wchan"], lines[start + 1]
-    rows = {}
-    for line in lines[start + 2:]:
-        m = ROW.match(line)
-        if not m:
-            break
-        rows[int(m["rank"])] = m.groupdict()
-    return title, rows
+    return title, table_rows(lines[start + 2:], ROW)
 
 
 def reports_in(lines: list[str]) -> list[str]:

@@ -371,15 +371,18 @@ def test_binary_failure_message_with_captured_stderr(impl, tmp_path):
 # fail-fast
 # ================================================================================
 
+# Rank 1 exits 3 after 0.3 s; the others would sleep 30 s.
+RANK_1_FAILS = """
+    import sys, time
+    if sys.argv[1] == "1":
+        time.sleep(0.3)
+        sys.exit(3)
+    time.sleep(30)
+"""
+
+
 def test_fail_fast_binary(impl, tmp_path):
-    code = """
-        import sys, time
-        if sys.argv[1] == "1":
-            time.sleep(0.3)
-            sys.exit(3)
-        time.sleep(30)
-    """
-    with launched(impl, "ff", PY, py_args(code, 3), log_dir=tmp_path) as pc:
+    with launched(impl, "ff", PY, py_args(RANK_1_FAILS, 3), log_dir=tmp_path) as pc:
         pids = pc.pids()
         t0 = time.monotonic()
         result = wait_result(pc, timeout=25)
@@ -399,14 +402,7 @@ def test_failures_listed_in_observed_order(impl, tmp_path):
     """torch's binary context lists the failures in the order it saw them:
     the rank that failed first, then the siblings fail-fast terminated.  The
     report's [idx] numbers follow that order."""
-    code = """
-        import sys, time
-        if sys.argv[1] == "1":
-            time.sleep(0.3)
-            sys.exit(3)
-        time.sleep(30)
-    """
-    with launched(impl, "order", PY, py_args(code, 3), log_dir=tmp_path) as pc:
+    with launched(impl, "order", PY, py_args(RANK_1_FAILS, 3), log_dir=tmp_path) as pc:
         result = wait_result(pc, timeout=25)
     assert list(result.failures) == [1, 0, 2]
 
@@ -744,43 +740,35 @@ if __name__ == "__main__":
     main()
 """
 
+def expected_failure(rank: int, message: str) -> str:
+    """One rank's entry in torch 2.13's report of that run, masked."""
+    return f"""[{rank}]:
+  time      : <TIME>
+  host      : <HOST>
+  rank      : {rank} (local_rank: {rank})
+  exitcode  : 1 (pid: <PID>)
+  error_file: <ERROR_FILE>
+  traceback : Traceback (most recent call last):
+    File "<PATH>", line <N>, in wrapper
+      return f(*args, **kwargs)
+             ^^^^^^^^^^^^^^^^^^
+    File "<PATH>", line <N>, in main
+      raise RuntimeError("{message}")
+  RuntimeError: {message}
+"""
+
+
 # torch 2.13's report for that run, ranks in order, with the variable parts
 # masked (see mask_report).
-EXPECTED_REPORT = """
+EXPECTED_REPORT = f"""
 ============================================================
 rootcause FAILED
 ------------------------------------------------------------
 Failures:
-[0]:
-  time      : <TIME>
-  host      : <HOST>
-  rank      : 0 (local_rank: 0)
-  exitcode  : 1 (pid: <PID>)
-  error_file: <ERROR_FILE>
-  traceback : Traceback (most recent call last):
-    File "<PATH>", line <N>, in wrapper
-      return f(*args, **kwargs)
-             ^^^^^^^^^^^^^^^^^^
-    File "<PATH>", line <N>, in main
-      raise RuntimeError("rank 0 failed later")
-  RuntimeError: rank 0 failed later
-
+{expected_failure(0, "rank 0 failed later")}
 ------------------------------------------------------------
 Root Cause (first observed failure):
-[1]:
-  time      : <TIME>
-  host      : <HOST>
-  rank      : 1 (local_rank: 1)
-  exitcode  : 1 (pid: <PID>)
-  error_file: <ERROR_FILE>
-  traceback : Traceback (most recent call last):
-    File "<PATH>", line <N>, in wrapper
-      return f(*args, **kwargs)
-             ^^^^^^^^^^^^^^^^^^
-    File "<PATH>", line <N>, in main
-      raise RuntimeError("rank 1 failed first")
-  RuntimeError: rank 1 failed first
-
+{expected_failure(1, "rank 1 failed first")}
 ============================================================"""
 
 

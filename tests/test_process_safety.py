@@ -20,7 +20,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 import uuid
 from pathlib import Path
@@ -30,59 +29,19 @@ import pytest
 
 import torchmp
 from torchmp import _core
-from helpers import TAG_VAR, kill_tagged, pid_alive, wait_gone, wait_no_tagged
-
-TORCHMP_PATH = str(Path(torchmp.__file__).resolve().parent.parent)
-
-
-class Launcher:
-    """A Python launcher program in its own session, cleaned up by tag."""
-
-    def __init__(self, script: str, *args: str, env: dict[str, str] | None = None,
-                 argv_prefix: list[str] | None = None) -> None:
-        self.tag = uuid.uuid4().hex
-        full_env = dict(os.environ)
-        full_env["PYTHONPATH"] = TORCHMP_PATH + os.pathsep + full_env.get("PYTHONPATH", "")
-        full_env[TAG_VAR] = self.tag
-        full_env.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
-        if env:
-            full_env.update(env)
-        self.proc = subprocess.Popen(
-            [*(argv_prefix or []), sys.executable, "-c", textwrap.dedent(script), *args],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env=full_env, cwd="/", start_new_session=True, text=True, errors="replace")
-
-    def communicate(self, timeout: float) -> tuple[int, str, str]:
-        try:
-            out, err = self.proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.cleanup()
-            out, err = self.proc.communicate()
-            raise AssertionError(f"launcher did not finish in {timeout}s:\n{out}\n{err}") from None
-        return self.proc.returncode, out, err
-
-    def cleanup(self) -> None:
-        kill_tagged(self.tag)
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except OSError:
-                pass
-        self.proc.communicate()
+from helpers import Launcher, Launchers, kill_tagged, launcher_env, pid_alive, wait_gone, wait_no_tagged
 
 
 @pytest.fixture
 def launcher():
-    started: list[Launcher] = []
+    """Start ``[*argv_prefix, python, -c, script, *args]`` (a Launcher);
+    stopped at the end of the test."""
+    with Launchers(trailing_pathsep=True) as launchers:
+        def start(script: str, *args: str, env: dict[str, str] | None = None,
+                  argv_prefix: list[str] | None = None) -> Launcher:
+            return launchers.python(script, *args, argv_prefix=argv_prefix or (), env=env)
 
-    def start(script: str, *args: str, **kwargs) -> Launcher:
-        launched = Launcher(script, *args, **kwargs)
-        started.append(launched)
-        return launched
-
-    yield start
-    for launched in started:
-        launched.cleanup()
+        yield start
 
 
 def wait_for_file(path: Path, text: str = "", timeout: float = 10.0) -> str:
@@ -270,7 +229,7 @@ def test_torchmp_run_sigterm_gives_the_whole_group_its_grace_period(launcher, tm
         assert rc == 143, err
         assert wait_gone([pid], 1) == []
     finally:
-        run.cleanup()
+        run.stop()
 
 
 # ---------------------------------------------------------------------------
@@ -512,7 +471,7 @@ def test_sigkilled_torchmp_run_leaves_no_process_of_any_rank(launcher, tmp_path)
         run.proc.wait(10)
         assert wait_gone(workers, 1.0) == [], [(p, _name(p)) for p in workers if pid_alive(p)]
     finally:
-        run.cleanup()
+        run.stop()
 
 
 def _name(pid: int) -> str:
@@ -591,7 +550,7 @@ def test_keeper_is_no_child_of_the_launcher_and_exits_with_it(launcher, tmp_path
         run.proc.wait(10)
         assert wait_gone([keeper], 2.0) == []
     finally:
-        run.cleanup()
+        run.stop()
 
 
 # ---------------------------------------------------------------------------
@@ -624,8 +583,8 @@ for rank, failure in sorted(result.failures.items()):
 def test_script_without_main_guard_fails_clearly_and_never_nests(tmp_path, method):
     script = tmp_path / "noguard.py"
     script.write_text(NO_GUARD_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=TORCHMP_PATH + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env[TAG_VAR] = tag = uuid.uuid4().hex
+    tag = uuid.uuid4().hex
+    env = launcher_env(tag=tag, trailing_pathsep=True)
     try:
         proc = subprocess.run([sys.executable, str(script), method, str(tmp_path)], env=env, cwd="/",
                               capture_output=True, text=True, timeout=120, start_new_session=True)

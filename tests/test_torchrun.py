@@ -21,9 +21,7 @@ from pathlib import Path
 
 import pytest
 
-import torchmp
-
-from helpers import TAG_VAR, kill_tagged, wait_no_tagged
+from helpers import TORCHMP_PATH, Launcher, Launchers, wait_no_tagged
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("torch.distributed.run")
@@ -31,11 +29,6 @@ if not torch.distributed.is_available():  # pragma: no cover
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
 pytestmark = pytest.mark.torch
-
-# Subprocesses import the torchmp these tests import (installed, or a built
-# source tree), and run from "/" so that `python -m` cannot pick up an
-# unbuilt source tree from the current directory.
-TORCHMP_PATH = str(Path(torchmp.__file__).resolve().parent.parent)
 
 TORCHMP = [sys.executable, "-m", "torchmp", "torchrun"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -57,56 +50,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Launch:
-    def __init__(self, argv: list[str], env: dict[str, str] | None = None, tag: str | None = None):
-        self.tag = tag or uuid.uuid4().hex
-        full_env = dict(os.environ)
-        full_env["PYTHONPATH"] = TORCHMP_PATH + os.pathsep + full_env.get("PYTHONPATH", "")
-        full_env[TAG_VAR] = self.tag
-        full_env.setdefault("OMP_NUM_THREADS", "1")
-        for key in list(full_env):
-            if key.startswith("TORCHELASTIC_") or key in ("LOGLEVEL", "TORCH_LOGS"):
-                del full_env[key]
-        if env:
-            full_env.update(env)
-        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, env=full_env, cwd="/", text=True,
-                                     errors="replace", start_new_session=True)
-
-    def communicate(self, timeout: float) -> tuple[int, str, str]:
-        try:
-            out, err = self.proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.cleanup()
-            out, err = self.proc.communicate()
-            raise AssertionError(f"did not finish in {timeout}s:\n{out}\n{err}") from None
-        return self.proc.returncode, out, err
-
-    def cleanup(self) -> None:
-        kill_tagged(self.tag)
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except OSError:
-                pass
-        self.proc.wait(timeout=10)
-        for f in (self.proc.stdout, self.proc.stderr):
-            if f:
-                f.close()
-
-
 @pytest.fixture
 def launch():
-    started: list[Launch] = []
+    """Start a command (a Launcher) with OMP_NUM_THREADS=1 unless set, and
+    no TORCHELASTIC_*, LOGLEVEL or TORCH_LOGS of ours; stopped at the end of
+    the test."""
+    with Launchers(trailing_pathsep=True) as launchers:
+        def start(argv: list[str], env: dict[str, str] | None = None) -> Launcher:
+            unset = [key for key in os.environ if key.startswith("TORCHELASTIC_") or key in ("LOGLEVEL", "TORCH_LOGS")]
+            full_env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
+            return launchers.start(argv, env=full_env, unset=unset)
 
-    def start(argv: list[str], env: dict[str, str] | None = None) -> Launch:
-        job = Launch(argv, env)
-        started.append(job)
-        return job
-
-    yield start
-    for job in started:
-        job.cleanup()
+        yield start
 
 
 def run_job(launch, argv, env=None, timeout=40):
