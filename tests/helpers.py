@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -220,27 +221,32 @@ class Launcher:
     stdin is /dev/null, stdout and stderr are pipes, text with errors
     replaced unless text=False.  Read them with communicate(), or with
     follow=True line by line as they come (self.out, self.err, wait_for(),
-    finish()).  stop() kills what is left -- the processes carrying the tag
-    and the launcher's process group -- and reaps it; use it in a fixture's
-    teardown or a ``with`` block (Launchers) so it runs when a test fails.
+    finish()).  stdout and stderr can be given instead (a file, an fd, a
+    pipe's or a terminal's end the test reads itself, as Popen takes them):
+    then wait() for the exit.  stop() kills what is left -- the processes
+    carrying the tag and the launcher's process group -- and reaps it; use
+    it in a fixture's teardown or a ``with`` block (Launchers) so it runs
+    when a test fails.
     """
 
     def __init__(self, argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | Path = "/",
                  unset: Iterable[str] = ("TORCHELASTIC_SIGNALS_TO_HANDLE",), trailing_pathsep: bool = False,
-                 text: bool = True, errors: str = "replace", follow: bool = False) -> None:
+                 text: bool = True, errors: str = "replace", follow: bool = False,
+                 stdout: Any = subprocess.PIPE, stderr: Any = subprocess.PIPE) -> None:
         self.tag = uuid.uuid4().hex
         self.text = text
         self.proc = subprocess.Popen(
-            list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            list(argv), stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
             env=launcher_env(env, tag=self.tag, unset=unset, trailing_pathsep=trailing_pathsep),
             cwd=cwd, start_new_session=True, text=text, errors=errors if text else None)
         self.out: list = []
         self.err: list = []
         self._cond = threading.Condition()
         self._readers: list[threading.Thread] = []
-        if follow:
+        if follow:  # the streams that are pipes (the others are not ours to read)
             self._readers = [threading.Thread(target=self._read, args=(s, lines), daemon=True)
-                             for s, lines in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+                             for s, lines in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))
+                             if s is not None]
             for t in self._readers:
                 t.start()
 
@@ -264,6 +270,16 @@ class Launcher:
             out, err = self.proc.communicate()
             raise AssertionError(f"launcher did not finish in {timeout}s:\n{out}\n{err}") from None
         return self.proc.returncode, out, err
+
+    def wait(self, timeout: float = 20, message: str | None = None) -> int:
+        """Wait for the launcher's exit: its returncode (for a launcher whose
+        stdout and stderr are not pipes; else communicate()).  If it does not
+        exit in time, it is killed and the test fails with message."""
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            stop_launcher(self.proc, self.tag)
+            raise AssertionError(message or f"launcher did not finish in {timeout}s") from None
 
     def wait_for(self, predicate: Callable[[], bool], timeout: float, what: str) -> None:
         """With follow=True: wait until predicate() (over self.out and
@@ -320,3 +336,8 @@ class Launchers:
     def __exit__(self, *exc) -> None:
         for launched in self.started:
             launched.stop()
+
+    def left(self, timeout: float = 5.0) -> list[psutil.Process]:
+        """After the ``with`` block: the processes of any launcher started
+        that are still alive (zombies aside), waiting up to timeout for each."""
+        return [p for launched in self.started for p in wait_no_tagged(launched.tag, timeout)]

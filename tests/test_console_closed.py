@@ -14,19 +14,13 @@ from __future__ import annotations
 
 import os
 import select
-import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 
-import torchmp
-
-from helpers import TAG_VAR, stop_launcher, wait_no_tagged
-
-TORCHMP_PATH = str(Path(torchmp.__file__).resolve().parent.parent)
+from helpers import Launcher, Launchers
 
 NPROC = 3
 LINES = 3000  # per rank and stream: ~150 KB per console, more than a pipe holds
@@ -62,32 +56,31 @@ def expected_log(rank: int, stream: str) -> bytes:
     return (head + "".join(f"{stream} {rank} {i}\n" for i in range(1, LINES + 1))).encode()
 
 
-class Launch:
-    """One ``python -m torchmp run ...`` with the given stdout/stderr, in a
-    session of its own (so a pty it writes to is never its controlling
-    terminal); cleaned up by tag and process group."""
+@pytest.fixture
+def torchmp_run():
+    """Start ``python -m torchmp run ARGS`` with the given stdout/stderr (a
+    Launcher, in a session of its own: a pty it writes to is never its
+    controlling terminal).  Its stdout is block-buffered on a pipe as users
+    have it (a PYTHONUNBUFFERED test runner would hide what is left in a
+    buffer for the interpreter's last flush).  Stopped at the end of the
+    test by tag and process group, which then checks nothing is left."""
+    unset = ("TORCHELASTIC_SIGNALS_TO_HANDLE", "PYTHONUNBUFFERED")
+    with Launchers(trailing_pathsep=True, unset=unset) as launchers:
+        def start(*args: str, stdout: int, stderr: int) -> Launcher:
+            return launchers.start([sys.executable, "-m", "torchmp", "run", *args], stdout=stdout, stderr=stderr)
 
-    def __init__(self, tmp: Path, fail: bool, stdout: int, stderr: int) -> None:
-        self.tag = uuid.uuid4().hex
-        self.log_dir = tmp / "logs"
-        env = launcher_env()
-        env[TAG_VAR] = self.tag
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "torchmp", "run", "-n", str(NPROC), "--tee", "3",
-             "--log-dir", str(self.log_dir), "--", "sh", "-c", worker_script(tmp, fail)],
-            stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, env=env, cwd="/",
-            start_new_session=True,
-        )
+        yield start
+    assert launchers.left() == []
+
+
+class Launch:
+    """One ``torchmp run -n NPROC --tee 3 -- sh -c WORKER`` and its log dir."""
+
+    def __init__(self, launcher: Launcher, log_dir: Path) -> None:
+        self.launcher, self.proc, self.log_dir = launcher, launcher.proc, log_dir
 
     def wait(self, timeout: float = 15) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.cleanup()
-            raise AssertionError(f"torchmp run did not finish in {timeout}s") from None
-
-    def cleanup(self) -> None:
-        stop_launcher(self.proc, self.tag)
+        return self.launcher.wait(timeout, f"torchmp run did not finish in {timeout}s")
 
     def attempt_dir(self) -> Path:
         [run_dir] = self.log_dir.iterdir()
@@ -104,18 +97,14 @@ class Launch:
 
 
 @pytest.fixture
-def launches():
-    started: list[Launch] = []
+def launches(torchmp_run):
+    def start(tmp: Path, fail: bool, stdout: int, stderr: int) -> Launch:
+        log_dir = tmp / "logs"
+        launcher = torchmp_run("-n", str(NPROC), "--tee", "3", "--log-dir", str(log_dir),
+                               "--", "sh", "-c", worker_script(tmp, fail), stdout=stdout, stderr=stderr)
+        return Launch(launcher, log_dir)
 
-    def start(*args, **kwargs) -> Launch:
-        launch = Launch(*args, **kwargs)
-        started.append(launch)
-        return launch
-
-    yield start
-    for launch in started:
-        launch.cleanup()
-        assert wait_no_tagged(launch.tag) == []
+    return start
 
 
 def read_a_line(fd: int, timeout: float = 10) -> bytes:
@@ -252,22 +241,11 @@ def test_log_handler_drops_a_closed_console(capsys):
     assert captured.err == "" and captured.out == ""
 
 
-def launcher_env() -> dict[str, str]:
-    """The launcher's environment, with stdout block-buffered on a pipe as
-    users have it (a PYTHONUNBUFFERED test runner would hide what is left in
-    a buffer for the interpreter's last flush)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = TORCHMP_PATH + os.pathsep + env.get("PYTHONPATH", "")
-    env.pop("PYTHONUNBUFFERED", None)
-    env.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
-    return env
-
-
 @pytest.mark.parametrize("closed,args,code", [
     ("stdout", ["--help"], 0),
     ("stderr", ["-n", "0", "--", "true"], 2),  # bad usage
 ])
-def test_exit_flush_finds_nothing_to_fail_on(tmp_path, closed, args, code):
+def test_exit_flush_finds_nothing_to_fail_on(torchmp_run, tmp_path, closed, args, code):
     # argparse swallows a failed write (or, on a block-buffered stdout, never
     # makes one): what is left in the buffer used to fail the interpreter's
     # last flush, which printed "Exception ignored ... BrokenPipeError" and
@@ -277,10 +255,8 @@ def test_exit_flush_finds_nothing_to_fail_on(tmp_path, closed, args, code):
     try:
         with open(tmp_path / "rest", "wb") as rest:
             streams = (w, rest.fileno()) if closed == "stdout" else (rest.fileno(), w)
-            p = subprocess.run([sys.executable, "-m", "torchmp", "run", *args],
-                               stdin=subprocess.DEVNULL, stdout=streams[0], stderr=streams[1],
-                               env=launcher_env(), cwd="/", start_new_session=True, timeout=20)
+            returncode = torchmp_run(*args, stdout=streams[0], stderr=streams[1]).wait(20)
     finally:
         os.close(w)
-    assert p.returncode == code
+    assert returncode == code
     assert (tmp_path / "rest").read_bytes() == b""

@@ -33,16 +33,15 @@ import re
 import subprocess
 import sys
 import time
-import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, event, example, given, settings, strategies as st
 
-import torchmp
 from torchmp import _core
 
-from helpers import TAG_VAR, popen_launcher, stop_launcher, wait_no_tagged
+from helpers import Launcher, Launchers
 from test_fuzz import model_framer, model_lines
 
 P = b"[p]:"
@@ -336,54 +335,49 @@ with open(P["report"], "w") as f:
 """
 
 
+@dataclass
 class Launched:
-    def __init__(self, proc: subprocess.Popen, tag: str, console: Path, err: Path, report: Path) -> None:
-        self.proc, self.tag, self.console, self.err, self.report = proc, tag, console, err, report
+    """A launcher whose console (stdout) and stderr are files."""
+    launcher: Launcher
+    console: Path
+    err: Path
+    report: Path
+
+    @property
+    def proc(self) -> subprocess.Popen:
+        return self.launcher.proc
 
     def finish(self, timeout: float = 30) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"the launcher did not finish in {timeout}s") from None
-
-    def cleanup(self) -> None:
-        stop_launcher(self.proc, self.tag)
+        return self.launcher.wait(timeout, f"the launcher did not finish in {timeout}s")
 
 
 @pytest.fixture
 def launcher(tmp_path):
-    started: list[Launched] = []
+    """start(code, *args) runs LAUNCHER; start(code, *args, cli=[...]) runs
+    ``torchmp run CLI -- python -c code ARGS``.  Each launcher is stopped
+    at the end of the test, by tag and process group, which then checks
+    nothing is left."""
+    launchers = Launchers()
 
     def start(code: str, *args: str, cli: list[str] | None = None) -> Launched:
-        tag = uuid.uuid4().hex
-        n = len(started)
+        n = len(launchers.started)
         console, err, report = tmp_path / f"console{n}", tmp_path / f"err{n}", tmp_path / f"report{n}.json"
         log_dir = tmp_path / f"logs{n}"
         with open(console, "wb") as out, open(err, "wb") as errf:
             if cli is None:
                 params = json.dumps({"code": code, "args": list(args), "log_dir": str(log_dir),
                                      "report": str(report)})
-                proc = popen_launcher(LAUNCHER.format(params=params), env={TAG_VAR: tag},
-                                      stdin=subprocess.DEVNULL, stdout=out, stderr=errf)
+                # The library launches: TORCHELASTIC_SIGNALS_TO_HANDLE is left as it is.
+                launched = launchers.python(LAUNCHER.format(params=params), stdout=out, stderr=errf, unset=())
             else:
-                env = dict(os.environ)
-                origin = str(Path(torchmp.__file__).resolve().parent.parent)
-                env["PYTHONPATH"] = os.pathsep.join(p for p in (origin, env.get("PYTHONPATH")) if p)
-                env.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
-                env[TAG_VAR] = tag
-                proc = subprocess.Popen(
+                launched = launchers.start(
                     [sys.executable, "-m", "torchmp", "run", *cli, "--log-dir", str(log_dir), "--",
-                     sys.executable, "-c", code, *args],
-                    stdin=subprocess.DEVNULL, stdout=out, stderr=errf, env=env, cwd="/",
-                    start_new_session=True)
-        launched = Launched(proc, tag, console, err, report)
-        started.append(launched)
-        return launched
+                     sys.executable, "-c", code, *args], stdout=out, stderr=errf)
+        return Launched(launched, console, err, report)
 
-    yield start
-    for launched in started:
-        launched.cleanup()
-        assert wait_no_tagged(launched.tag) == []
+    with launchers:
+        yield start
+    assert launchers.left() == []
 
 
 LOADING = """

@@ -33,16 +33,14 @@ import subprocess
 import sys
 import time
 import tty
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-import torchmp
 from torchmp import _core
 
-from helpers import TAG_VAR, popen_launcher, stop_launcher, wait_gone, wait_no_tagged
+from helpers import Launcher, Launchers, wait_gone
 
 NRANKS = 4
 LINE_LEN = 100
@@ -131,8 +129,7 @@ ctx.close()
 class Launch:
     """One launcher subprocess writing its console into an unread pipe (or
     terminal)."""
-    proc: subprocess.Popen
-    tag: str
+    launcher: Launcher
     read_fd: int
     report_path: Path
     flags: Path
@@ -151,6 +148,10 @@ class Launch:
                                      "stalled (the I/O thread blocks on the console?)")
             time.sleep(0.01)
         return json.loads(self.report_path.read_text())
+
+    @property
+    def proc(self) -> subprocess.Popen:
+        return self.launcher.proc
 
     def drain(self, timeout: float = HANG, nap: float = 0.0, size: int = 1 << 20) -> bytes:
         """Read the pipe to EOF (everyone holding its write end is gone);
@@ -179,19 +180,16 @@ class Launch:
         return b"".join(chunks)
 
     def finish(self, timeout: float = HANG) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"the launcher did not finish in {timeout}s after its console "
-                                 "was drained") from None
+        return self.launcher.wait(timeout, f"the launcher did not finish in {timeout}s after its console "
+                                  "was drained")
 
     def stderr_text(self) -> str:
         if self.stderr_path is None or not self.stderr_path.exists():
             return ""
         return self.stderr_path.read_text(errors="replace")[-4000:]
 
-    def cleanup(self) -> None:
-        stop_launcher(self.proc, self.tag)
+    def close(self) -> None:
+        """Close the test's end of the console (once the launcher is stopped)."""
         if self.read_fd >= 0:
             os.close(self.read_fd)
             self.read_fd = -1
@@ -202,10 +200,10 @@ def stalled():
     """start(**kw) -> Launch; everything started is killed and reaped after
     the test, by tag and process group, pass or fail."""
     started: list[Launch] = []
+    launchers = Launchers()
 
     def start(tmp: Path, *, streams: str = "out", mode: str = "ok", nranks: int = NRANKS,
               lines: int = LINES, cli: bool = False, pty: bool = False) -> Launch:
-        tag = uuid.uuid4().hex
         flags = tmp / "flags"
         flags.mkdir()
         log_dir = tmp / "logs"
@@ -224,16 +222,16 @@ def stalled():
             else:
                 err_file = open(err_path, "wb")
                 stderr = err_file
-            env = {TAG_VAR: tag}
             if cli:
-                proc = _popen_cli(tmp, flags, log_dir, nranks, lines, env, stdout=w, stderr=stderr)
+                launcher = launchers.start(_cli_argv(flags, log_dir, nranks, lines), stdout=w, stderr=stderr,
+                                           unset=("TORCHELASTIC_SIGNALS_TO_HANDLE", "PYTHONUNBUFFERED"))
             else:
                 params = json.dumps({
                     "worker": WORKER, "lines": lines, "streams": streams, "mode": mode,
                     "flags": str(flags), "nranks": nranks, "log_dir": str(log_dir),
                     "report": str(report), "wait_timeout": 120})
-                proc = popen_launcher(LAUNCHER.format(params=params), env=env,
-                                      stdin=subprocess.DEVNULL, stdout=w, stderr=stderr)
+                # The library launches: TORCHELASTIC_SIGNALS_TO_HANDLE is left as it is.
+                launcher = launchers.python(LAUNCHER.format(params=params), stdout=w, stderr=stderr, unset=())
         except BaseException:
             os.close(r)
             raise
@@ -241,33 +239,25 @@ def stalled():
             os.close(w)  # only the launcher (and what it starts) holds the write end
             if err_file is not None:
                 err_file.close()
-        launch = Launch(proc, tag, r, report, flags, log_dir, err_path)
+        launch = Launch(launcher, r, report, flags, log_dir, err_path)
         started.append(launch)
         return launch
 
-    yield start
+    with launchers:
+        yield start
     for launch in started:
-        launch.cleanup()
-        assert wait_no_tagged(launch.tag) == []
+        launch.close()
+    assert launchers.left() == []
 
 
-def _popen_cli(tmp, flags, log_dir, nranks, lines, env, *, stdout, stderr) -> subprocess.Popen:
+def _cli_argv(flags: Path, log_dir: Path, nranks: int, lines: int) -> list[str]:
     """``python -m torchmp run --tee 3 -n N -- python -c WORKER ...``: rank
     from LOCAL_RANK (the worker script reads it from argv, so a shell
     wrapper passes it)."""
     code = (f"import os, sys; sys.argv = ['w', os.environ['LOCAL_RANK'], {str(lines)!r}, 'out', 'ok', "
             f"{str(flags)!r}, '0']; exec(compile({WORKER!r}, 'worker', 'exec'))")
-    full_env = dict(os.environ)
-    origin = str(Path(torchmp.__file__).resolve().parent.parent)
-    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (origin, full_env.get("PYTHONPATH")) if p)
-    full_env.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
-    full_env.pop("PYTHONUNBUFFERED", None)
-    full_env.update(env)
-    return subprocess.Popen(
-        [sys.executable, "-m", "torchmp", "run", "--tee", "3", "-n", str(nranks), "--name", "w",
-         "--log-dir", str(log_dir), "--", sys.executable, "-c", code],
-        stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, env=full_env, cwd="/",
-        start_new_session=True)
+    return [sys.executable, "-m", "torchmp", "run", "--tee", "3", "-n", str(nranks), "--name", "w",
+            "--log-dir", str(log_dir), "--", sys.executable, "-c", code]
 
 
 # --- reading the console --------------------------------------------------------

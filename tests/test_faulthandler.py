@@ -12,23 +12,17 @@ cleanup kills leftovers by that tag and by the launcher's process group.
 """
 from __future__ import annotations
 
-import os
 import re
 import signal
-import subprocess
 import sys
 import textwrap
-import uuid
 from pathlib import Path
 
 import pytest
 
-import torchmp
 from torchmp import Std
 
-from helpers import TAG_VAR, launch, python_worker, stop_launcher, wait_no_tagged
-
-TORCHMP_PATH = str(Path(torchmp.__file__).resolve().parent.parent)
+from helpers import Launcher, launch, python_worker, wait_no_tagged
 
 CRASH = textwrap.dedent("""\
     import ctypes
@@ -46,26 +40,13 @@ CRASH = textwrap.dedent("""\
 def run_cli(args: list[str], cwd: Path, env: dict[str, str] | None = None,
             drop: tuple[str, ...] = ("PYTHONFAULTHANDLER",), timeout: float = 30) -> tuple[int, str, str]:
     """``python -m torchmp run ...`` to completion, from ``cwd`` (outside the
-    source tree); ``drop``: variables removed from its environment."""
-    tag = uuid.uuid4().hex
-    full_env = {k: v for k, v in os.environ.items() if k not in drop}
-    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (TORCHMP_PATH, os.environ.get("PYTHONPATH")) if p)
-    full_env[TAG_VAR] = tag
-    full_env.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
-    if env:
-        full_env.update(env)
-    proc = subprocess.Popen([sys.executable, "-m", "torchmp", "run", *args],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=full_env, cwd=cwd, start_new_session=True, text=True, errors="replace")
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        assert wait_no_tagged(tag) == []
-        return proc.returncode, out, err
-    finally:
-        stop_launcher(proc, tag)
-        for stream in (proc.stdout, proc.stderr):
-            if stream:
-                stream.close()
+    source tree); ``drop``: variables removed from its environment (then
+    ``env`` is set on top)."""
+    with Launcher([sys.executable, "-m", "torchmp", "run", *args], env=env, cwd=cwd,
+                  unset=("TORCHELASTIC_SIGNALS_TO_HANDLE", *drop)) as launcher:
+        result = launcher.communicate(timeout)
+        assert wait_no_tagged(launcher.tag) == []
+        return result
 
 
 def attempt_dir(stderr: str) -> Path:

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import textwrap
 import time
@@ -24,6 +23,8 @@ import pytest
 
 from torchmp import _oom
 from torchmp._oom import MemCgroup, Mount, OomWatch
+
+from helpers import Launcher
 
 # --- fixture text -----------------------------------------------------------------
 
@@ -319,49 +320,61 @@ def _procs(cg: Path) -> list[int]:
         return []
 
 
+def _limit(cg: Path, limit: int) -> None:
+    (cg / "memory.limit_in_bytes").write_text(str(limit))
+    # memsw >= limit is enforced: set it after the limit, and equal so
+    # that swap does not let the process outgrow the limit.
+    if (cg / "memory.memsw.limit_in_bytes").exists():
+        (cg / "memory.memsw.limit_in_bytes").write_text(str(limit))
+
+
+def _remove(cg: Path, timeout: float = 5.0) -> None:
+    """Kill the processes left in a memory cgroup and remove it (if it is
+    still there)."""
+    for pid in _procs(cg):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    # rmdir fails with EBUSY until the killed tasks are gone.
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            cg.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
 @pytest.fixture
-def v1_cgroup() -> Iterator[Callable[[int], Path]]:
-    """Create child memory cgroups with a limit; remove them afterwards."""
+def v1_cgroup() -> Iterator[Callable[..., Path]]:
+    """make(limit) creates a child memory cgroup of the root with a limit,
+    make(limit, parent=cg) one of cg; all are removed afterwards, the
+    children first."""
     reason = _v1_skip_reason()
     if reason:
         pytest.skip(reason)
     made: list[Path] = []
 
-    def make(limit: int) -> Path:
-        cg = V1_ROOT / f"torchmp-test-{os.getpid()}-{next(_seq)}"
+    def make(limit: int, parent: Path | None = None) -> Path:
+        cg = (parent or V1_ROOT) / f"torchmp-test-{os.getpid()}-{next(_seq)}"
         try:
             cg.mkdir()
         except OSError as e:
-            if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            if parent is None and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
                 pytest.skip(f"cannot create {cg}: {e}")
             raise
         made.append(cg)
-        (cg / "memory.limit_in_bytes").write_text(str(limit))
-        # memsw >= limit is enforced: set it after the limit, and equal so
-        # that swap does not let the process outgrow the limit.
-        if (cg / "memory.memsw.limit_in_bytes").exists():
-            (cg / "memory.memsw.limit_in_bytes").write_text(str(limit))
+        _limit(cg, limit)
         return cg
 
     yield make
-    for cg in made:
-        for pid in _procs(cg):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        # rmdir fails with EBUSY until the killed tasks are gone.
-        deadline = time.monotonic() + 5.0
-        while True:
-            try:
-                cg.rmdir()
-                break
-            except FileNotFoundError:
-                break
-            except OSError as e:
-                if e.errno != errno.EBUSY or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.02)
+    for cg in reversed(made):
+        _remove(cg)
 
 
 # Runs inside the cgroup: a rank that SIGKILLs itself (not an OOM kill), then
@@ -394,16 +407,16 @@ DRIVER = textwrap.dedent("""\
 
 
 @pytest.mark.parametrize("attempt", range(3))
-def test_v1_oom_kill_is_named(v1_cgroup: Callable[[int], Path], tmp_path: Path,
+def test_v1_oom_kill_is_named(v1_cgroup: Callable[..., Path], tmp_path: Path,
                               attempt: int) -> None:
     cg = v1_cgroup(64 * MiB)
     rel = "/" + cg.relative_to(V1_ROOT).as_posix()
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", DRIVER, str(cg), ALLOC], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60)
+    with Launcher([sys.executable, "-c", DRIVER, str(cg), ALLOC], cwd=tmp_path, unset=()) as driver:
+        code, stdout, stderr = driver.communicate(60)
     elapsed = time.monotonic() - t0
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout)
+    assert code == 0, stderr
+    out = json.loads(stdout)
     assert out["cgroup"] == rel and out["before"] == 0
 
     # A SIGKILL that is not the OOM killer's is not named.
@@ -424,37 +437,18 @@ def test_v1_oom_kill_is_named(v1_cgroup: Callable[[int], Path], tmp_path: Path,
     assert elapsed < 10, elapsed
 
 
-def test_v1_oom_kill_counts_only_the_victims_cgroup(v1_cgroup: Callable[[int], Path],
+def test_v1_oom_kill_counts_only_the_victims_cgroup(v1_cgroup: Callable[..., Path],
                                                     tmp_path: Path) -> None:
     # Why explain() uses the launcher's own cgroup on v1: its counter is not
     # hierarchical, an OOM kill in a child cgroup does not show in the parent.
     parent = v1_cgroup(1 << 40)
-    child = parent / "rank"
-    child.mkdir()
-    try:
-        (child / "memory.limit_in_bytes").write_text(str(64 * MiB))
-        if (child / "memory.memsw.limit_in_bytes").exists():
-            (child / "memory.memsw.limit_in_bytes").write_text(str(64 * MiB))
-        proc = subprocess.run(
-            ["sh", "-c", 'echo $$ > "$1/cgroup.procs" && exec "$2" -c "$3"', "sh",
-             str(child), sys.executable, ALLOC], cwd=tmp_path, timeout=60)
-        assert proc.returncode == -signal.SIGKILL
-        assert _oom.parse_oom_control((child / "memory.oom_control").read_text()) == 1
-        assert _oom.parse_oom_control((parent / "memory.oom_control").read_text()) == 0
-    finally:
-        for pid in _procs(child):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 5.0
-        while child.exists():
-            try:
-                child.rmdir()
-            except OSError as e:
-                if e.errno != errno.EBUSY or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.02)
+    child = v1_cgroup(64 * MiB, parent=parent)
+    with Launcher(["sh", "-c", 'echo $$ > "$1/cgroup.procs" && exec "$2" -c "$3"', "sh",
+                   str(child), sys.executable, ALLOC], cwd=tmp_path, unset=()) as rank:
+        code, _, stderr = rank.communicate(60)
+    assert code == -signal.SIGKILL, stderr
+    assert _oom.parse_oom_control((child / "memory.oom_control").read_text()) == 1
+    assert _oom.parse_oom_control((parent / "memory.oom_control").read_text()) == 0
 
 
 RANKS = textwrap.dedent("""\
@@ -467,20 +461,18 @@ RANKS = textwrap.dedent("""\
 """)
 
 
-def test_torchmp_run_names_oom_kill(v1_cgroup: Callable[[int], Path], tmp_path: Path) -> None:
+def test_torchmp_run_names_oom_kill(v1_cgroup: Callable[..., Path], tmp_path: Path) -> None:
     # Room for the launcher and a sleeping rank (~40-60 MiB); rank 1 grows
     # until the OOM killer picks it, the biggest process of the cgroup.
     cg = v1_cgroup(200 * MiB)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     t0 = time.monotonic()
-    proc = subprocess.run(
-        ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cg / "cgroup.procs"),
-         sys.executable, "-m", "torchmp", "run", "-n", "2", "--log-dir", str(tmp_path / "logs"),
-         "--", sys.executable, "-c", RANKS],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    # The environment as it is, less PYTHONPATH: the installed torchmp.
+    with Launcher(["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cg / "cgroup.procs"),
+                   sys.executable, "-m", "torchmp", "run", "-n", "2", "--log-dir", str(tmp_path / "logs"),
+                   "--", sys.executable, "-c", RANKS], cwd=tmp_path, unset=("PYTHONPATH",)) as launcher:
+        code, _, err = launcher.communicate(60)
     elapsed = time.monotonic() - t0
-    err = proc.stderr
-    assert proc.returncode == 128 + signal.SIGKILL, err
+    assert code == 128 + signal.SIGKILL, err
     assert _oom.parse_oom_control((cg / "memory.oom_control").read_text()) == 1, err
     assert "Root Cause (first observed failure):" in err, err
     root_cause = err.split("Root Cause (first observed failure):", 1)[1].split("=" * 60)[0]
