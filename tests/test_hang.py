@@ -560,9 +560,8 @@ def test_report_with_py_spy_shows_each_python_rank(launcher, tmp_path):
 SILENT = textwrap.dedent("""\
     import os, sys, time
     print("ready", flush=True)
-    flag = sys.argv[1]
-    while not os.path.exists(flag):
-        time.sleep(0.05)
+    # Blocked (sleeping, not polling) until the test opens the FIFO to write.
+    os.open(sys.argv[1], os.O_RDONLY)
     print("more", flush=True)
     time.sleep(600)
 """)
@@ -587,6 +586,7 @@ def silent_report(lines: list[str], nranks: int, after: int = 0) -> int | None:
 def test_hang_report_after_once_per_silence(launcher, tmp_path, streams):
     (tmp_path / "s.py").write_text(SILENT)
     flag = tmp_path / "flag"
+    os.mkfifo(flag)
     extra = ["--redirects", "3"] if streams == "redirected" else []
     la = launcher("-n", "2", "--hang-report-after", "1", *extra, "--log-dir", str(tmp_path / "logs"),
                   "--", sys.executable, "s.py", str(flag), cwd=tmp_path, env={"PATH": "/usr/bin:/bin"})
@@ -602,7 +602,8 @@ def test_hang_report_after_once_per_silence(launcher, tmp_path, streams):
     assert all(row["state"] == "sleeping" for row in rows.values())
     time.sleep(2.5)  # silence goes on: no further report
     assert len(reports_in(la.err)) == first, la.err
-    flag.touch()  # new output, then silence again: one more
+    # Both ranks wake (ENXIO, not a hang, if neither waits): new output, then silence again: one more
+    os.close(os.open(flag, os.O_WRONLY | os.O_NONBLOCK))
     la.wait_for(lambda: (silent_report(la.err, 2, after=first) or 0) > first, 10, "the next report")
     second = silent_report(la.err, 2, after=first)
     title, _ = parse_report(la.err, second)
