@@ -64,8 +64,8 @@ PORTABLE_BUILD = bool(TORCHMP_PORTABLE_BUILD)
 STREAM_INHERIT = TORCHMP_STREAM_INHERIT
 STREAM_FILE = TORCHMP_STREAM_FILE
 STREAM_TEE = TORCHMP_STREAM_TEE
-STREAM_CAPTURE = TORCHMP_STREAM_CAPTURE
-FD_RETURN = TORCHMP_FD_RETURN
+STREAM_CAPTURE = TORCHMP_STREAM_CAPTURE  # the return channel's mode
+FD_RETURN = TORCHMP_FD_RET  # the worker's fd of its return channel
 FD_PAYLOAD = TORCHMP_FD_PAYLOAD
 
 PROC_UNSTARTED = TORCHMP_PROC_UNSTARTED
@@ -73,6 +73,28 @@ PROC_RUNNING = TORCHMP_PROC_RUNNING
 PROC_EXITED = TORCHMP_PROC_EXITED
 
 STEP_EXEC = TORCHMP_STEP_EXEC
+# Setup steps are 1 .. STEP_COUNT - 1 (0: none): a loop over them sees a new one.
+STEP_COUNT = TORCHMP_STEP__COUNT
+
+# The exit trailer a forkserver appends to a worker's return channel (C's
+# torchmp_exit_trailer; torchmp/_forkserver.py writes it): its magic and
+# size here, its fields' offsets from exit_trailer_fields().
+EXIT_TRAILER_MAGIC = TORCHMP_EXIT_TRAILER_MAGIC.decode("ascii")
+EXIT_TRAILER_SIZE = sizeof(torchmp_exit_trailer)
+
+
+def exit_trailer_fields():
+    """((name, offset, size), ...) of the exit trailer's fields, in
+    order, as the C compiler laid them out."""
+    cdef torchmp_exit_trailer t
+    cdef char *base = <char *>&t
+    return (
+        ("magic", <char *>&t.magic - base, sizeof(t.magic)),
+        ("wait_status", <char *>&t.wait_status - base, sizeof(t.wait_status)),
+        ("utime_ns", <char *>&t.utime_ns - base, sizeof(t.utime_ns)),
+        ("stime_ns", <char *>&t.stime_ns - base, sizeof(t.stime_ns)),
+        ("maxrss_kb", <char *>&t.maxrss_kb - base, sizeof(t.maxrss_kb)),
+    )
 
 
 cdef extern from "<stdio.h>" nogil:
@@ -145,12 +167,13 @@ cdef int check(int rc, const char *what) except -1:
 
 
 def step_name(int step):
-    """Name of a spawn step, as used in exec error messages."""
+    """Name of a spawn step, as used in spawn error messages."""
     return torchmp_step_name(step).decode()
 
 
 def exec_error(int step, int errnum, path):
-    """Turn a {step, errno} record from a worker into the right exception.
+    """Turn a {step, errno} spawn error record from a worker into the right
+    exception.
 
     An exec failure becomes OSError(errno, strerror, path), which selects
     FileNotFoundError, PermissionError, ... like subprocess does.  Failures
@@ -201,7 +224,9 @@ def loop_fd_count():
     return check(torchmp_loop_fd_count(), b"starting the torchmp I/O thread")
 
 
-cdef int needles_fill(torchmp_needles *n, list filters, list keep) except -1:
+cdef int filters_fill(torchmp_filters *n, list filters, list keep) except -1:
+    """A C view of filters (bytes kept alive by keep) for torchmp_group_new,
+    which copies them."""
     cdef Py_ssize_t i, count = len(filters)
     n.count = 0
     n.data = <char **>calloc(count if count else 1, sizeof(char *))
@@ -219,7 +244,7 @@ cdef int needles_fill(torchmp_needles *n, list filters, list keep) except -1:
     return 0
 
 
-cdef void needles_clear(torchmp_needles *n) noexcept:
+cdef void filters_clear(torchmp_filters *n) noexcept:
     free(n.data)
     free(n.len)
     n.data = NULL
@@ -246,11 +271,13 @@ cdef char **cstring_array(list items, list keep) except NULL:
     return arr
 
 
-cdef int stream_spec_fill(torchmp_stream_spec *s, tuple spec, list keep) except -1:
-    """(mode, fd, console, prefix[, timestamps[, log_path[, backlog[, tail]]]])
-    -> a C stream spec.  console: the launcher's fd 1 or 2, -1 for none, or a
+cdef int stream_spec_fill(torchmp_stream_spec *s, object spec, list keep) except -1:
+    """A StreamSpec (or a plain tuple of its first 4 to 8 fields) -> a C
+    stream spec.  console: the launcher's fd 1 or 2, -1 for none, or a
     QueueConsole; log_path: bytes or None; backlog: the console bound; tail:
     how many of the last bytes to keep for Group.tail (0: none)."""
+    if not isinstance(spec, tuple) or not 4 <= len(spec) <= 8:
+        raise TypeError(f"a stream spec is a StreamSpec, got {spec!r}")
     mode, fd, console, prefix = spec[:4]
     s.timestamps = bool(spec[4]) if len(spec) > 4 else 0
     log_path = spec[5] if len(spec) > 5 else None
@@ -281,7 +308,7 @@ cdef int stream_spec_fill(torchmp_stream_spec *s, tuple spec, list keep) except 
 
 
 cdef class CaptureBuffer:
-    """Bytes the I/O thread captured (a return value), handed to Python
+    """Bytes the I/O thread read from a return channel, handed to Python
     without a copy: a read-only buffer over the native memory, freed with
     the object.  pickle.loads() reads it directly."""
 
@@ -327,15 +354,16 @@ cdef class Group:
     # Workers started outside the I/O thread, recorded in C the moment their
     # pid is known (no Python handler can run in between), until adopted:
     # an interrupted launch can then still find and kill every one.
+    # forked_by_forkserver[rank]: a forkserver's child (see adopt).
     cdef pid_t *forked_pid
-    cdef bint *forked_foreign
+    cdef bint *forked_by_forkserver
     # Calls that run without the GIL right now; release() waits for them.
     cdef int users
     cdef bint release_pending
 
     def __cinit__(self, int nprocs, list out_filters=None, int filtered_out_fd=-1,
                   list err_filters=None, int filtered_err_fd=-1):
-        cdef torchmp_needles out_n, err_n
+        cdef torchmp_filters out_n, err_n
         cdef list keep = []
         memset(&out_n, 0, sizeof(out_n))
         memset(&err_n, 0, sizeof(err_n))
@@ -344,14 +372,14 @@ cdef class Group:
         self.started = 0
         self.owner_pid = getpid()
         self.forked_pid = <pid_t *>calloc(nprocs if nprocs > 0 else 1, sizeof(pid_t))
-        self.forked_foreign = <bint *>calloc(nprocs if nprocs > 0 else 1, sizeof(bint))
-        if self.forked_pid == NULL or self.forked_foreign == NULL:
+        self.forked_by_forkserver = <bint *>calloc(nprocs if nprocs > 0 else 1, sizeof(bint))
+        if self.forked_pid == NULL or self.forked_by_forkserver == NULL:
             raise MemoryError()
         try:
             if out_filters is not None:
-                needles_fill(&out_n, out_filters, keep)
+                filters_fill(&out_n, out_filters, keep)
             if err_filters is not None:
-                needles_fill(&err_n, err_filters, keep)
+                filters_fill(&err_n, err_filters, keep)
             self.g = torchmp_group_new(
                 nprocs,
                 &out_n if out_filters is not None else NULL, filtered_out_fd,
@@ -359,8 +387,8 @@ cdef class Group:
             if self.g == NULL:
                 check(-1, b"creating a worker group")
         finally:
-            needles_clear(&out_n)
-            needles_clear(&err_n)
+            filters_clear(&out_n)
+            filters_clear(&err_n)
 
     def __dealloc__(self):
         self._unstage()
@@ -368,7 +396,7 @@ cdef class Group:
             torchmp_group_release(self.g)
             self.g = NULL
         free(self.forked_pid)
-        free(self.forked_foreign)
+        free(self.forked_by_forkserver)
 
     def release(self):
         """Hand the group back to the I/O thread, which frees it (and its
@@ -413,15 +441,17 @@ cdef class Group:
     def spawn(self, list specs):
         """Start ranks 0..len(specs)-1.
 
-        Each spec is (path, argv, envp, out, err, ret, payload_fd) with path
-        bytes, argv/envp lists of bytes, out/err/ret (mode, fd, console,
-        prefix) tuples; payload_fd (or -1) becomes the worker's fd 4.
+        Each spec is a RankSpec(path, argv, envp, out, err, ret, payload_fd):
+        path bytes, argv/envp lists of bytes, out/err/ret StreamSpecs (ret:
+        the return channel, STREAM_CAPTURE or STREAM_INHERIT for none);
+        payload_fd (or -1) becomes the worker's fd FD_PAYLOAD.  Plain tuples
+        of the same fields work too.
         Raises SpawnError (an OSError) with .rank and .step set for the first
         rank that could not be started.
         """
         cdef Py_ssize_t i, j, count = len(specs)
         cdef torchmp_rank_spec *cspecs = NULL
-        cdef torchmp_exec_error err
+        cdef torchmp_spawn_error err
         cdef list keep = []
         cdef int started
         self._ours()
@@ -441,7 +471,6 @@ cdef class Group:
                 cspecs[i].args.path = PyBytes_AS_STRING(path)
                 cspecs[i].args.argv = cstring_array(argv, keep)
                 cspecs[i].args.envp = cstring_array(envp, keep)
-                cspecs[i].args.cwd = NULL
                 for j in range(TORCHMP_CHILD_FDS):
                     cspecs[i].args.child_fds[j] = -1
                 cspecs[i].args.child_fds[TORCHMP_FD_PAYLOAD] = payload_fd
@@ -473,18 +502,9 @@ cdef class Group:
             free(cspecs)
 
     cdef void _close_worker_fds(self, int rank) noexcept:
-        """Close this process's copies of rank's worker-side pipe ends."""
-        cdef torchmp_rank_spec *spec = &self.staged[rank]
-        cdef int modes[4]
-        cdef int j
-        modes[1] = spec.out.mode
-        modes[2] = spec.err.mode
-        modes[3] = spec.ret.mode
-        for j in range(1, 4):
-            # FILE targets are the caller's own fds, not ours to close.
-            if spec.args.child_fds[j] >= 0 and modes[j] != TORCHMP_STREAM_FILE:
-                c_close(spec.args.child_fds[j])
-            spec.args.child_fds[j] = -1
+        """Close this process's copies of rank's worker-side pipe ends (the
+        C core's one rule: FILE targets are the caller's own)."""
+        torchmp_rank_close_worker_fds(&self.staged[rank], self.staged[rank].args.child_fds)
 
     cdef void _unstage(self) noexcept:
         cdef int rank
@@ -506,14 +526,15 @@ cdef class Group:
         """Open the streams of ranks 0..len(specs)-1 for workers started
         outside the I/O thread (fork_rank, a forkserver), in one round trip.
 
-        Each spec is (out, err, ret).  Returns each rank's worker-side fds
+        Each spec is (out, err, ret), three StreamSpecs (ret: the return
+        channel).  Returns each rank's worker-side fds
         (stdout, stderr, return channel; -1 for none).  The pipe ends among
         them stay open here until fork_rank forks the rank or
         close_worker_fds(rank) is called; FILE targets are the caller's own
         fds, returned as given.
         """
         cdef Py_ssize_t i, count = len(specs)
-        cdef torchmp_exec_error err
+        cdef torchmp_spawn_error err
         cdef list keep = []
         cdef int prepared, j
         self._ours()
@@ -581,6 +602,7 @@ cdef class Group:
         cdef torchmp_rank_spec *spec
         cdef torchmp_spawn_args setup
         cdef int saved, step, j, other, ret_fd, nsigs
+        cdef int ends[TORCHMP_CHILD_FDS]
         cdef int sigs[64]
         cdef sigset_t blocked, old_mask, no_signals
         cdef timespec now
@@ -594,8 +616,8 @@ cdef class Group:
         # In a Python child the return channel stays where it is: fd 3 may
         # be something of the interpreter's.
         setup = spec.args
-        ret_fd = setup.child_fds[TORCHMP_FD_RETURN]
-        setup.child_fds[TORCHMP_FD_RETURN] = -1
+        ret_fd = setup.child_fds[TORCHMP_FD_RET]
+        setup.child_fds[TORCHMP_FD_RET] = -1
         setup.parent_pid = parent
         setup.pdeathsig = SIGKILL if pdeathsig else 0
 
@@ -644,18 +666,19 @@ cdef class Group:
                 msg = f"torchmp: worker setup failed during {step_name(step)}: {strerror(saved).decode()}\n".encode()
                 c_write(2, PyBytes_AS_STRING(msg), PyBytes_GET_SIZE(msg))
                 _exit(127)
-            # The redirect targets now live at fds 1 and 2.
-            for j in (1, 2):
-                if spec.args.child_fds[j] >= 0 and (j == 1 and spec.out.mode != TORCHMP_STREAM_FILE or
-                                                    j == 2 and spec.err.mode != TORCHMP_STREAM_FILE):
-                    c_close(spec.args.child_fds[j])
+            # The redirect targets now live at fds 1 and 2: our copies go by
+            # the one rule, but for the return channel, which stays where it is.
+            for j in range(TORCHMP_CHILD_FDS):
+                ends[j] = spec.args.child_fds[j]
+            ends[TORCHMP_FD_RET] = -1
+            torchmp_rank_close_worker_fds(spec, ends)
             self.owner_pid = -1  # this group belongs to the parent
             return 0, ret_fd
         if pid > 0:
             # Before anything that could run Python code: from here on an
             # interrupted launch knows this worker (adopt_forked).
             self.forked_pid[rank] = pid
-            self.forked_foreign[rank] = False
+            self.forked_by_forkserver[rank] = False
         PyOS_AfterFork_Parent()
         pthread_sigmask(SIG_SETMASK, &old_mask, NULL)
         if pid < 0:
@@ -663,17 +686,18 @@ cdef class Group:
         self._close_worker_fds(rank)
         return pid, -1
 
-    def adopt(self, list workers, bint foreign):
-        """Watch started workers: (rank, pid) pairs, in one round trip.  A
-        foreign pid is not our child: its exit arrives as a trailer on its
-        return channel.  If a worker cannot be watched, it and the ones after
-        it in the list are killed and reaped (unless foreign) and an OSError
-        is raised with .rank set."""
+    def adopt(self, list workers, bint by_forkserver):
+        """Watch started workers: (rank, pid) pairs, in one round trip.
+        by_forkserver: the pids are a forkserver's children, not ours: their
+        exits arrive as a trailer on their return channels, and they are not
+        ours to kill or reap.  If a worker cannot be watched, it and the ones
+        after it in the list are killed and reaped (unless by_forkserver) and
+        an OSError is raised with .rank set."""
         cdef Py_ssize_t i, count = len(workers)
         cdef int *ranks = NULL
         cdef pid_t *pids = NULL
         cdef int64_t *starts = NULL
-        cdef torchmp_exec_error err
+        cdef torchmp_spawn_error err
         cdef int adopted, rank
         self._ours()
         if count == 0:
@@ -694,7 +718,7 @@ cdef class Group:
             self._enter()
             try:
                 with nogil:
-                    adopted = torchmp_group_adopt(self.g, ranks, pids, starts, <int>count, foreign, &err)
+                    adopted = torchmp_group_adopt(self.g, ranks, pids, starts, <int>count, by_forkserver, &err)
             finally:
                 self._leave()
             if adopted < 0:
@@ -717,11 +741,11 @@ cdef class Group:
         """Adopt every worker fork_rank() or forkserver_fork() started that
         is not watched yet (an interrupted launch: so close() kills it)."""
         cdef int rank
-        for foreign in (False, True):
+        for by_forkserver in (False, True):
             pending = [(rank, self.forked_pid[rank]) for rank in range(self.nprocs)
-                       if self.forked_pid[rank] > 0 and bool(self.forked_foreign[rank]) == foreign]
+                       if self.forked_pid[rank] > 0 and bool(self.forked_by_forkserver[rank]) == by_forkserver]
             if pending:
-                self.adopt(pending, foreign)
+                self.adopt(pending, by_forkserver)
 
     def forkserver_fork(self, int rank, int sock_fd, bytes message not None, list fds, double timeout):
         """Send a fork request for rank to a forkserver and read its reply:
@@ -747,7 +771,7 @@ cdef class Group:
                 err = errno
                 if rc == 0 and reply > 0:
                     self.forked_pid[rank] = <pid_t>reply
-                    self.forked_foreign[rank] = True
+                    self.forked_by_forkserver[rank] = True
         finally:
             self._leave()
         if rc != 0:
@@ -772,8 +796,8 @@ cdef class Group:
         if self.g == NULL:
             raise ValueError("worker group is closed")
         cdef char *shrunk
-        cdef CaptureBuffer captured
-        data = torchmp_group_take_capture(self.g, rank, &n)
+        cdef CaptureBuffer buf
+        data = torchmp_group_take_ret(self.g, rank, &n)
         if data == NULL:
             if errno != 0:
                 raise MemoryError(f"the return value of local rank {rank} did not fit in memory")
@@ -781,15 +805,15 @@ cdef class Group:
         if n == 0:  # a forkserver worker's channel held only its exit trailer
             free(data)
             return b""
-        # The capture grew by doubling: give back the slack (for a large
+        # The buffer grew by doubling: give back the slack (for a large
         # buffer glibc remaps pages rather than copying).
         shrunk = <char *>realloc(data, n)
         if shrunk != NULL:
             data = shrunk
-        captured = CaptureBuffer.__new__(CaptureBuffer)
-        captured.data = data
-        captured.size = <Py_ssize_t>n
-        return captured
+        buf = CaptureBuffer.__new__(CaptureBuffer)
+        buf.data = data
+        buf.size = <Py_ssize_t>n
+        return buf
 
     def version(self):
         """The group's change counter (it moves with every recorded exit)."""
@@ -920,18 +944,18 @@ cdef class Group:
         """torchmp is done signalling: reap every exited rank's zombie.
         Returns the pids of forkserver workers, whose zombies the
         forkserver holds until it is told to let them go."""
-        cdef pid_t *foreign
+        cdef pid_t *forkserver_pids
         cdef int i, n
         self._ours()
-        foreign = <pid_t *>calloc(self.nprocs if self.nprocs else 1, sizeof(pid_t))
-        if foreign == NULL:
+        forkserver_pids = <pid_t *>calloc(self.nprocs if self.nprocs else 1, sizeof(pid_t))
+        if forkserver_pids == NULL:
             raise MemoryError()
         try:
-            n = torchmp_group_reap(self.g, foreign, self.nprocs)
+            n = torchmp_group_reap(self.g, forkserver_pids, self.nprocs)
             check(n, b"reaping")
-            return [foreign[i] for i in range(n)]
+            return [forkserver_pids[i] for i in range(n)]
         finally:
-            free(foreign)
+            free(forkserver_pids)
 
     def finish_streams(self):
         """Drain buffered output, flush partial lines and close every tee
@@ -967,6 +991,32 @@ ProcInfo = _collections.namedtuple("ProcInfo", [
     "status_lost",    # another process reaped it, or its forkserver died
 ])
 ProcInfo.__module__ = __name__
+
+# What Group.spawn and Group.prepare take: how one stream of a rank is wired
+# (stdout, stderr or the return channel), and one rank to exec.  Named
+# tuples, so plain tuples of the same fields are accepted too.
+StreamSpec = _collections.namedtuple("StreamSpec", [
+    "mode",        # STREAM_INHERIT, STREAM_FILE, STREAM_TEE or STREAM_CAPTURE (the return channel)
+    "fd",          # FILE: the file; TEE: the log file or -1
+    "console",     # TEE: the launcher's fd 1 or 2, -1 for none, or a QueueConsole
+    "prefix",      # TEE: the console prefix (bytes), or None
+    "timestamps",  # TEE: a UTC time on every console line
+    "log_path",    # TEE: the log file's path for the console's marker line (bytes), or None
+    "backlog",     # TEE: the console backlog bound for this stream, bytes
+    "tail",        # TEE: keep this many of the last bytes for Group.tail (0: none)
+], defaults=(False, None, DEFAULT_CONSOLE_BACKLOG, 0))
+StreamSpec.__module__ = __name__
+
+RankSpec = _collections.namedtuple("RankSpec", [
+    "path",        # the executable (bytes; PATH lookup done by the caller)
+    "argv",        # [bytes]
+    "envp",        # [b"K=V"]
+    "out",         # StreamSpec of stdout
+    "err",         # StreamSpec of stderr
+    "ret",         # StreamSpec of the return channel (STREAM_CAPTURE, or STREAM_INHERIT: none)
+    "payload_fd",  # becomes the worker's fd FD_PAYLOAD, or -1
+])
+RankSpec.__module__ = __name__
 
 cdef class QueueConsole:
     """A console whose framed lines are taken by Python (for a sys.stdout /
@@ -1052,7 +1102,7 @@ def frame(int fd, bytes prefix not None, list chunks, Py_ssize_t max_line=256 * 
     sinks.source = &source
     sinks.filtered_fd = &filtered
     sinks.filtered_errno = &filtered_errno
-    sinks.needles = NULL
+    sinks.filters = NULL
     torchmp_framer_init(&f, PyBytes_AS_STRING(prefix), <size_t>PyBytes_GET_SIZE(prefix), <size_t>max_line)
     f.timestamps = timestamps
     try:

@@ -10,20 +10,19 @@ cdef extern from "torchmp.h" nogil:
         TORCHMP_STEP_EXEC
         TORCHMP_STEP__COUNT
 
-    ctypedef struct torchmp_exec_error:
+    ctypedef struct torchmp_spawn_error:
         int32_t step
         int32_t errnum
 
     enum:
         TORCHMP_CHILD_FDS
-        TORCHMP_FD_RETURN
+        TORCHMP_FD_RET
         TORCHMP_FD_PAYLOAD
 
     ctypedef struct torchmp_spawn_args:
         const char *path
         char *const *argv
         char *const *envp
-        const char *cwd
         int child_fds[5]
         int use_vfork
         int pdeathsig
@@ -35,7 +34,7 @@ cdef extern from "torchmp.h" nogil:
     int torchmp_forkserver_request(int sock, const char *msg, size_t len, const int *fds, int nfds,
                                    int64_t timeout_ns, int64_t *reply)
 
-    ctypedef struct torchmp_needles:
+    ctypedef struct torchmp_filters:
         size_t count
         char **data
         size_t *len
@@ -74,7 +73,7 @@ cdef extern from "torchmp.h" nogil:
         const torchmp_console_source *source
         int console_waiting
         int *filtered_fd
-        const torchmp_needles *needles
+        const torchmp_filters *filters
         int *filtered_errno
 
     void torchmp_framer_init(torchmp_framer *f, const char *prefix, size_t prefix_len, size_t max_line)
@@ -112,6 +111,16 @@ cdef extern from "torchmp.h" nogil:
         torchmp_stream_spec err
         torchmp_stream_spec ret
 
+    void torchmp_rank_close_worker_fds(const torchmp_rank_spec *spec, int *child_fds)
+
+    const char *TORCHMP_EXIT_TRAILER_MAGIC
+    ctypedef struct torchmp_exit_trailer:
+        char magic[8]
+        int64_t wait_status
+        int64_t utime_ns
+        int64_t stime_ns
+        int64_t maxrss_kb
+
     enum:
         TORCHMP_PROC_UNSTARTED
         TORCHMP_PROC_RUNNING
@@ -137,14 +146,14 @@ cdef extern from "torchmp.h" nogil:
     int torchmp_loop_backend()
     int torchmp_loop_fd_count()
     torchmp_group *torchmp_group_new(int nprocs,
-                                     const torchmp_needles *out_needles, int filtered_out_fd,
-                                     const torchmp_needles *err_needles, int filtered_err_fd)
-    int torchmp_group_spawn(torchmp_group *g, torchmp_rank_spec *specs, int count, torchmp_exec_error *err)
-    int torchmp_group_prepare(torchmp_group *g, torchmp_rank_spec *specs, int count, torchmp_exec_error *err)
+                                     const torchmp_filters *out_filters, int filtered_out_fd,
+                                     const torchmp_filters *err_filters, int filtered_err_fd)
+    int torchmp_group_spawn(torchmp_group *g, torchmp_rank_spec *specs, int count, torchmp_spawn_error *err)
+    int torchmp_group_prepare(torchmp_group *g, torchmp_rank_spec *specs, int count, torchmp_spawn_error *err)
     int torchmp_group_adopt(torchmp_group *g, const int *ranks, const pid_t *pids, const int64_t *start_ns,
-                            int count, int foreign, torchmp_exec_error *err)
+                            int count, int by_forkserver, torchmp_spawn_error *err)
     int torchmp_group_drop_unstarted(torchmp_group *g)
-    char *torchmp_group_take_capture(torchmp_group *g, int rank, size_t *len)
+    char *torchmp_group_take_ret(torchmp_group *g, int rank, size_t *len)
     uint64_t torchmp_group_snapshot(torchmp_group *g, torchmp_proc_info *out, int n)
     ctypedef struct torchmp_stream_state:
         int open[2]
@@ -155,7 +164,7 @@ cdef extern from "torchmp.h" nogil:
     void torchmp_group_interrupt(torchmp_group *g)
     int torchmp_group_killpg(torchmp_group *g, int sig)
     int torchmp_group_busy(torchmp_group *g, unsigned char *busy)
-    int torchmp_group_reap(torchmp_group *g, pid_t *foreign, int cap)
+    int torchmp_group_reap(torchmp_group *g, pid_t *forkserver_pids, int cap)
     int torchmp_collect_exit(pid_t pid, int *status, int64_t *utime_ns, int64_t *stime_ns, int64_t *maxrss_kb)
     int torchmp_keeper_start()
     void torchmp_keeper_forget()

@@ -106,7 +106,7 @@ static int console_on(const emitter *e)
 static int filtered_on(const emitter *e)
 {
     const torchmp_line_sinks *s = e->sinks;
-    return s->needles != NULL && s->filtered_fd != NULL && *s->filtered_fd >= 0;
+    return s->filters != NULL && s->filtered_fd != NULL && *s->filtered_fd >= 0;
 }
 
 static void emitter_flush(emitter *e)
@@ -152,10 +152,10 @@ static void batch_line(emitter *e, batch *b, int is_console, const torchmp_frame
     b->len += need;
 }
 
-static int line_matches(const torchmp_needles *nd, const char *line, size_t len)
+static int line_matches(const torchmp_filters *filters, const char *line, size_t len)
 {
-    for (size_t i = 0; i < nd->count; i++) {
-        if (nd->len[i] == 0 || memmem(line, len, nd->data[i], nd->len[i]) != NULL)
+    for (size_t i = 0; i < filters->count; i++) {
+        if (filters->len[i] == 0 || memmem(line, len, filters->data[i], filters->len[i]) != NULL)
             return 1;
     }
     return 0;
@@ -196,7 +196,7 @@ static void emit(emitter *e, const torchmp_framer *f, const char *line, size_t l
         e->ts_len = format_timestamp(e->ts, sizeof(e->ts));
     if (console_on(e))
         batch_line(e, &e->console, 1, f, line, len);
-    if (filtered_on(e) && line_matches(e->sinks->needles, line, len))
+    if (filtered_on(e) && line_matches(e->sinks->filters, line, len))
         batch_line(e, &e->filtered, 0, f, line, len);
 }
 

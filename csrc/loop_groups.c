@@ -2,8 +2,8 @@
  * Worker groups (one per PContext): creation and freeing, the commands that
  * spawn, prepare, adopt and finish a group's ranks (the caller's entry
  * point, and the loop-thread side that runs it), and what Python reads of a
- * group: rank states, stream states, captures and tails.  Exits, waiting and
- * signalling are in loop_reap.c.
+ * group: rank states, stream states, return channels and tails.  Exits,
+ * waiting and signalling are in loop_reap.c.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -24,13 +24,13 @@ static const torchmp_stream_spec *rank_stream_spec(const torchmp_rank_spec *spec
     return which == STREAM_OUT ? &spec->out : which == STREAM_ERR ? &spec->err : &spec->ret;
 }
 
-/* The launcher's copies of the pipe ends the worker writes to. */
-static void rank_child_ends_close(const torchmp_rank_spec *spec, int *child_fds)
+void torchmp_rank_close_worker_fds(const torchmp_rank_spec *spec, int *child_fds)
 {
     for (int w = 0; w < STREAM_COUNT; w++) {
         int mode = rank_stream_spec(spec, w)->mode;
         if (mode == TORCHMP_STREAM_TEE || mode == TORCHMP_STREAM_CAPTURE)
             close_fd(&child_fds[1 + w]);
+        child_fds[1 + w] = -1; /* FILE: the caller's own, left open */
     }
 }
 
@@ -45,13 +45,13 @@ void torchmp_loop_rank_streams_abort(torchmp_loop *L, torchmp_proc *p)
 /* Open stdout, stderr and the return channel of a rank on the loop side and
  * put the worker's ends in child_fds[1..3]. */
 static int rank_streams_open(torchmp_loop *L, torchmp_proc *p, const torchmp_rank_spec *spec, int *child_fds,
-                             torchmp_exec_error *err)
+                             torchmp_spawn_error *err)
 {
     for (int w = 0; w < STREAM_COUNT; w++) {
         if (torchmp_loop_stream_open(L, p, w, rank_stream_spec(spec, w), &child_fds[1 + w]) != 0) {
             err->step = TORCHMP_STEP_STREAM;
             err->errnum = errno;
-            rank_child_ends_close(spec, child_fds);
+            torchmp_rank_close_worker_fds(spec, child_fds);
             torchmp_loop_rank_streams_abort(L, p);
             errno = err->errnum;
             return -1;
@@ -61,7 +61,7 @@ static int rank_streams_open(torchmp_loop *L, torchmp_proc *p, const torchmp_ran
 }
 
 static int do_spawn_one(torchmp_loop *L, torchmp_group *g, int rank, torchmp_rank_spec *spec,
-                        torchmp_exec_error *err)
+                        torchmp_spawn_error *err)
 {
     torchmp_proc *p = &g->procs[rank];
     torchmp_spawn_args a = spec->args;
@@ -87,7 +87,7 @@ static int do_spawn_one(torchmp_loop *L, torchmp_group *g, int rank, torchmp_ran
 
     start = clock_ns(CLOCK_MONOTONIC);
     rc = torchmp_spawn(&a, &pid, err);
-    rank_child_ends_close(spec, a.child_fds);
+    torchmp_rank_close_worker_fds(spec, a.child_fds);
     if (rc != 0) {
         torchmp_loop_rank_streams_abort(L, p);
         return -1;
@@ -132,7 +132,7 @@ void torchmp_loop_do_finish(torchmp_loop *L, torchmp_group *g)
 
 /* ---- groups ------------------------------------------------------------- */
 
-static void needles_free(torchmp_needles *n)
+static void filters_free(torchmp_filters *n)
 {
     for (size_t i = 0; i < n->count; i++)
         free(n->data[i]);
@@ -143,20 +143,20 @@ static void needles_free(torchmp_needles *n)
     n->count = 0;
 }
 
-static int needles_copy(torchmp_needles *dst, const torchmp_needles *src)
+static int filters_copy(torchmp_filters *dst, const torchmp_filters *src)
 {
     dst->count = 0;
     dst->data = calloc(src->count ? src->count : 1, sizeof(char *));
     dst->len = calloc(src->count ? src->count : 1, sizeof(size_t));
     if (dst->data == NULL || dst->len == NULL) {
-        needles_free(dst);
+        filters_free(dst);
         errno = ENOMEM;
         return -1;
     }
     for (size_t i = 0; i < src->count; i++) {
         dst->data[i] = malloc(src->len[i] ? src->len[i] : 1);
         if (dst->data[i] == NULL) {
-            needles_free(dst);
+            filters_free(dst);
             errno = ENOMEM;
             return -1;
         }
@@ -180,8 +180,8 @@ void torchmp_loop_group_free(torchmp_group *g)
     }
     for (int w = 0; w < 2; w++) {
         close_fd(&g->filtered_fd[w]);
-        if (g->has_needles[w])
-            needles_free(&g->needles[w]);
+        if (g->has_filters[w])
+            filters_free(&g->filters[w]);
     }
     free(g->procs);
     free(g);
@@ -213,7 +213,7 @@ int torchmp_loop_do_prepare(torchmp_loop *L, command *c)
     for (int i = 0; i < c->count; i++) {
         if (rank_streams_open(L, &g->procs[i], &c->specs[i], c->specs[i].args.child_fds, &c->err) != 0) {
             for (int j = 0; j < i; j++) {
-                rank_child_ends_close(&c->specs[j], c->specs[j].args.child_fds);
+                torchmp_rank_close_worker_fds(&c->specs[j], c->specs[j].args.child_fds);
                 torchmp_loop_rank_streams_abort(L, &g->procs[j]);
             }
             return i;
@@ -231,10 +231,10 @@ int torchmp_loop_do_adopt(torchmp_loop *L, command *c)
     int64_t now = clock_ns(CLOCK_MONOTONIC);
     for (int i = 0; i < c->count; i++) {
         int64_t start = c->start_ns != NULL && c->start_ns[i] != 0 ? c->start_ns[i] : now;
-        if (torchmp_loop_rank_adopt(L, &g->procs[c->ranks[i]], c->pids[i], c->foreign, start, &c->err) == 0)
+        if (torchmp_loop_rank_adopt(L, &g->procs[c->ranks[i]], c->pids[i], c->by_forkserver, start, &c->err) == 0)
             continue;
         for (int j = i + 1; j < c->count; j++) {
-            if (!c->foreign) {
+            if (!c->by_forkserver) {
                 int status;
                 kill(c->pids[j], SIGKILL);
                 while (waitpid(c->pids[j], &status, 0) < 0 && errno == EINTR)
@@ -250,12 +250,12 @@ int torchmp_loop_do_adopt(torchmp_loop *L, command *c)
 /* ---- public API --------------------------------------------------------- */
 
 torchmp_group *torchmp_group_new(int nprocs,
-                                 const torchmp_needles *out_needles, int filtered_out_fd,
-                                 const torchmp_needles *err_needles, int filtered_err_fd)
+                                 const torchmp_filters *out_filters, int filtered_out_fd,
+                                 const torchmp_filters *err_filters, int filtered_err_fd)
 {
     torchmp_loop *L = torchmp_loop_get();
     torchmp_group *g;
-    const torchmp_needles *needles[2] = {out_needles, err_needles};
+    const torchmp_filters *filters[2] = {out_filters, err_filters};
     int filtered[2] = {filtered_out_fd, filtered_err_fd};
     int saved;
 
@@ -292,10 +292,10 @@ torchmp_group *torchmp_group_new(int nprocs,
         }
     }
     for (int w = 0; w < 2; w++) {
-        if (needles[w] != NULL) {
-            if (needles_copy(&g->needles[w], needles[w]) != 0)
+        if (filters[w] != NULL) {
+            if (filters_copy(&g->filters[w], filters[w]) != 0)
                 goto fail;
-            g->has_needles[w] = 1;
+            g->has_filters[w] = 1;
         }
         if (filtered[w] >= 0) {
             g->filtered_fd[w] = fcntl(filtered[w], F_DUPFD_CLOEXEC, 3);
@@ -336,7 +336,7 @@ static void note_pipes(torchmp_group *g, const torchmp_rank_spec *specs, int cou
 }
 
 /* SPAWN and PREPARE: a command over ranks [0, count), all still unstarted. */
-static int ranks_command(torchmp_group *g, int type, torchmp_rank_spec *specs, int count, torchmp_exec_error *err)
+static int ranks_command(torchmp_group *g, int type, torchmp_rank_spec *specs, int count, torchmp_spawn_error *err)
 {
     command c;
     if (!torchmp_loop_group_is_ours(g))
@@ -362,18 +362,18 @@ static int ranks_command(torchmp_group *g, int type, torchmp_rank_spec *specs, i
     return c.result;
 }
 
-int torchmp_group_spawn(torchmp_group *g, torchmp_rank_spec *specs, int count, torchmp_exec_error *err)
+int torchmp_group_spawn(torchmp_group *g, torchmp_rank_spec *specs, int count, torchmp_spawn_error *err)
 {
     return ranks_command(g, CMD_SPAWN, specs, count, err);
 }
 
-int torchmp_group_prepare(torchmp_group *g, torchmp_rank_spec *specs, int count, torchmp_exec_error *err)
+int torchmp_group_prepare(torchmp_group *g, torchmp_rank_spec *specs, int count, torchmp_spawn_error *err)
 {
     return ranks_command(g, CMD_PREPARE, specs, count, err);
 }
 
 int torchmp_group_adopt(torchmp_group *g, const int *ranks, const pid_t *pids, const int64_t *start_ns, int count,
-                        int foreign, torchmp_exec_error *err)
+                        int by_forkserver, torchmp_spawn_error *err)
 {
     command c;
     if (!torchmp_loop_group_is_ours(g))
@@ -395,7 +395,7 @@ int torchmp_group_adopt(torchmp_group *g, const int *ranks, const pid_t *pids, c
     c.pids = pids;
     c.start_ns = start_ns;
     c.count = count;
-    c.foreign = foreign;
+    c.by_forkserver = by_forkserver;
     torchmp_loop_submit(g->loop, &c, 1);
     *err = c.err;
     return c.result;
@@ -420,7 +420,7 @@ int torchmp_group_drop_unstarted(torchmp_group *g)
     return 0;
 }
 
-char *torchmp_group_take_capture(torchmp_group *g, int rank, size_t *len)
+char *torchmp_group_take_ret(torchmp_group *g, int rank, size_t *len)
 {
     torchmp_loop *L = g->loop;
     stream *s;
@@ -432,15 +432,15 @@ char *torchmp_group_take_capture(torchmp_group *g, int rank, size_t *len)
     }
     s = &g->procs[rank].streams[STREAM_RET];
     pthread_mutex_lock(&L->mu);
-    if (s->capture_errno != 0) {
-        errno = s->capture_errno;
+    if (s->ret_errno != 0) {
+        errno = s->ret_errno;
         pthread_mutex_unlock(&L->mu);
         return NULL;
     }
-    data = s->capture;
-    *len = s->capture_len;
-    s->capture = NULL;
-    s->capture_len = s->capture_cap = 0;
+    data = s->ret_buf;
+    *len = s->ret_len;
+    s->ret_buf = NULL;
+    s->ret_len = s->ret_cap = 0;
     pthread_mutex_unlock(&L->mu);
     errno = 0;
     return data;

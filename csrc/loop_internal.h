@@ -3,7 +3,8 @@
  * the functions one of them calls in another.  Included by loop_*.c only
  * (first, after _GNU_SOURCE); the loop's public API is in torchmp.h.
  *
- *   loop_streams.c  tee pipes (open, read, frame, log, capture, tail, close)
+ *   loop_streams.c  tee pipes and return channels (open, read, frame, log,
+ *                   keep the return channel's bytes, tail, close)
  *                   and the fd consoles they write to
  *   loop_reap.c     a rank's exit: watched (pidfd, SIGCHLD scan, forkserver
  *                   trailer), recorded, waited for, reaped; signalling the
@@ -85,10 +86,11 @@ typedef struct stream {
     /* on L->timed while the framer has a deadline (loop thread) */
     struct stream *timed_prev, *timed_next;
     int timed;
-    /* STREAM_RET: the bytes read so far (mu: Python takes them) */
-    char *capture;
-    size_t capture_len, capture_cap;
-    int capture_errno;
+    /* STREAM_RET, the return channel: the bytes read so far (mu: Python
+     * takes them) */
+    char *ret_buf;
+    size_t ret_len, ret_cap;
+    int ret_errno;
     int pipe_grown;            /* bytes of pipe capacity taken from the budget; -1: gave up */
     /* mu: what failure reports and hang reports read from other threads */
     int open;                  /* the pipe is being drained */
@@ -103,8 +105,11 @@ enum { STREAM_OUT = 0, STREAM_ERR = 1, STREAM_RET = 2, STREAM_COUNT = 3 };
 struct torchmp_proc {
     int rank;
     int pidfd;
-    int foreign;               /* a forkserver's child: exits come as a trailer */
-    int foreign_gone;          /* its pidfd fired: the trailer is on its way */
+    int by_forkserver;         /* a forkserver's child, not ours: not ours to kill
+                                * or reap, its exit comes as a trailer on its
+                                * return channel */
+    int pid_gone;              /* by_forkserver: its pidfd fired, the trailer
+                                * is on its way */
     int exiting;               /* proc_record_exit is running for it */
     /* fields below `mu` guards */
     /* Exited but not reaped yet: the zombie (ours, or the forkserver's until
@@ -121,8 +126,8 @@ struct torchmp_group {
     struct torchmp_loop *loop;
     int nprocs;
     torchmp_proc *procs;
-    torchmp_needles needles[2];
-    int has_needles[2];
+    torchmp_filters filters[2];
+    int has_filters[2];
     int filtered_fd[2];
     int filtered_errno[2];
     int console_fd[2];         /* 1 and 2, or -1 once broken for this group */
@@ -157,8 +162,8 @@ typedef struct command {
     const int *ranks;          /* ADOPT */
     const pid_t *pids;         /* ADOPT */
     const int64_t *start_ns;   /* ADOPT: CLOCK_MONOTONIC at fork, or NULL for now */
-    int foreign;               /* ADOPT */
-    torchmp_exec_error err;
+    int by_forkserver;         /* ADOPT */
+    torchmp_spawn_error err;
     int result;
     int done;
     struct command *next;
@@ -237,10 +242,10 @@ int torchmp_loop_consoles_poll(torchmp_loop *L);
 
 /* ---- loop_reap.c -------------------------------------------------------- */
 
-int torchmp_loop_rank_adopt(torchmp_loop *L, torchmp_proc *p, pid_t pid, int foreign, int64_t start,
-                            torchmp_exec_error *err);
+int torchmp_loop_rank_adopt(torchmp_loop *L, torchmp_proc *p, pid_t pid, int by_forkserver, int64_t start,
+                            torchmp_spawn_error *err);
 void torchmp_loop_proc_exit_event(torchmp_loop *L, torchmp_proc *p);
-void torchmp_loop_proc_foreign_exit(torchmp_loop *L, torchmp_proc *p, int at_eof);
+void torchmp_loop_proc_forkserver_exit(torchmp_loop *L, torchmp_proc *p, int at_eof);
 void torchmp_loop_reap_scan(torchmp_loop *L);
 void torchmp_loop_proc_reap_locked(torchmp_proc *p);
 

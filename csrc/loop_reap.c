@@ -153,7 +153,7 @@ void torchmp_loop_proc_reap_locked(torchmp_proc *p)
     if (!p->unreaped)
         return;
     p->unreaped = 0;
-    if (!p->foreign) {
+    if (!p->by_forkserver) {
         struct rusage ru;
         int status;
         pid_t r;
@@ -174,12 +174,12 @@ void torchmp_loop_proc_reap_locked(torchmp_proc *p)
 }
 
 /* A forkserver worker is not our child: its exit status arrives as a
- * trailer the forkserver appends to the worker's return channel once it has
- * reaped the worker.  The exit is recorded when the trailer is there and the
+ * trailer the forkserver appends to the worker's return channel once the
+ * worker has exited.  The exit is recorded when the trailer is there and the
  * worker is gone (its pidfd fired: a grandchild it forked may keep the
  * channel open), or at the channel's EOF.  EOF without a trailer means the
  * forkserver died. */
-void torchmp_loop_proc_foreign_exit(torchmp_loop *L, torchmp_proc *p, int at_eof)
+void torchmp_loop_proc_forkserver_exit(torchmp_loop *L, torchmp_proc *p, int at_eof)
 {
     stream *s = &p->streams[STREAM_RET];
     torchmp_exit_trailer t;
@@ -190,13 +190,13 @@ void torchmp_loop_proc_foreign_exit(torchmp_loop *L, torchmp_proc *p, int at_eof
     /* Bytes that merely look like a trailer count only once the worker is
      * gone (the forkserver writes the trailer once it has exited).  Without
      * a pidfd (poll backend) ask whether the pid is gone or a zombie. */
-    if (!at_eof && !p->foreign_gone && !torchmp_pid_exited(p->info.pid))
+    if (!at_eof && !p->pid_gone && !torchmp_pid_exited(p->info.pid))
         return;
     pthread_mutex_lock(&L->mu);
-    if (s->capture_len >= sizeof(t) &&
-        memcmp(s->capture + s->capture_len - sizeof(t), TORCHMP_EXIT_TRAILER_MAGIC, 8) == 0) {
-        memcpy(&t, s->capture + s->capture_len - sizeof(t), sizeof(t));
-        s->capture_len -= sizeof(t);
+    if (s->ret_len >= sizeof(t) &&
+        memcmp(s->ret_buf + s->ret_len - sizeof(t), TORCHMP_EXIT_TRAILER_MAGIC, 8) == 0) {
+        memcpy(&t, s->ret_buf + s->ret_len - sizeof(t), sizeof(t));
+        s->ret_len -= sizeof(t);
         found = 1;
     }
     pthread_mutex_unlock(&L->mu);
@@ -210,7 +210,7 @@ void torchmp_loop_reap_scan(torchmp_loop *L)
 {
     for (torchmp_group *g = L->groups; g != NULL; g = g->next) {
         for (int i = 0; i < g->nprocs && g->running > 0; i++) {
-            if (g->procs[i].info.state == TORCHMP_PROC_RUNNING && !g->procs[i].foreign)
+            if (g->procs[i].info.state == TORCHMP_PROC_RUNNING && !g->procs[i].by_forkserver)
                 (void)proc_try_collect(L, &g->procs[i]);
         }
     }
@@ -220,20 +220,20 @@ void torchmp_loop_reap_scan(torchmp_loop *L)
 
 /* Start watching a forked worker.  On failure the worker is killed and
  * reaped, and the rank's streams are closed. */
-int torchmp_loop_rank_adopt(torchmp_loop *L, torchmp_proc *p, pid_t pid, int foreign, int64_t start,
-                            torchmp_exec_error *err)
+int torchmp_loop_rank_adopt(torchmp_loop *L, torchmp_proc *p, pid_t pid, int by_forkserver, int64_t start,
+                            torchmp_spawn_error *err)
 {
-    p->foreign = foreign;
+    p->by_forkserver = by_forkserver;
 #ifdef TORCHMP_HAVE_PIDFD
     if (L->backend == TORCHMP_BACKEND_EPOLL) {
         p->pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
         if (p->pidfd >= 0 && torchmp_poller_add(L->exits, p->pidfd, p) != 0)
             close_fd(&p->pidfd);
-        if (p->pidfd < 0 && foreign) {
+        if (p->pidfd < 0 && by_forkserver) {
             /* Not our child, so nothing to kill or reap here: a worker that
              * is already gone (ESRCH) has its trailer on the way; otherwise
              * its exit shows as the trailer plus kill(pid, 0) == ESRCH. */
-            p->foreign_gone = errno == ESRCH;
+            p->pid_gone = errno == ESRCH;
         } else if (p->pidfd < 0) {
             int status;
             err->step = TORCHMP_STEP_PIDFD;
@@ -254,10 +254,10 @@ int torchmp_loop_rank_adopt(torchmp_loop *L, torchmp_proc *p, pid_t pid, int for
     p->keeper_slot = torchmp_keeper_add(pid);
     pthread_mutex_unlock(&L->mu);
     p->group->running++;
-    if (foreign) {
+    if (by_forkserver) {
         /* The worker may have run to completion before we got here: its
          * trailer (or even its channel's EOF) may be in already. */
-        torchmp_loop_proc_foreign_exit(L, p, p->streams[STREAM_RET].fd < 0);
+        torchmp_loop_proc_forkserver_exit(L, p, p->streams[STREAM_RET].fd < 0);
     }
     return 0;
 }
@@ -267,13 +267,13 @@ void torchmp_loop_proc_exit_event(torchmp_loop *L, torchmp_proc *p)
 {
     if (p->info.state != TORCHMP_PROC_RUNNING || p->pidfd < 0)
         return;
-    if (p->foreign) {
+    if (p->by_forkserver) {
         /* Not ours to reap: wait for the forkserver's trailer. */
         (void)torchmp_poller_del(L->exits, p->pidfd);
         close_fd(&p->pidfd);
-        p->foreign_gone = 1;
+        p->pid_gone = 1;
         torchmp_loop_stream_pump(L, &p->streams[STREAM_RET], -1);
-        torchmp_loop_proc_foreign_exit(L, p, 0);
+        torchmp_loop_proc_forkserver_exit(L, p, 0);
     } else {
         (void)proc_try_collect(L, p);
     }
@@ -467,7 +467,7 @@ int torchmp_group_busy(torchmp_group *g, unsigned char *busy)
     return count;
 }
 
-int torchmp_group_reap(torchmp_group *g, pid_t *foreign, int cap)
+int torchmp_group_reap(torchmp_group *g, pid_t *forkserver_pids, int cap)
 {
     torchmp_loop *L = g->loop;
     int n = 0;
@@ -478,8 +478,8 @@ int torchmp_group_reap(torchmp_group *g, pid_t *foreign, int cap)
         torchmp_proc *p = &g->procs[i];
         if (p->info.state != TORCHMP_PROC_EXITED || !p->unreaped)
             continue;
-        if (p->foreign && n < cap)
-            foreign[n++] = p->info.pid;
+        if (p->by_forkserver && n < cap)
+            forkserver_pids[n++] = p->info.pid;
         torchmp_loop_proc_reap_locked(p);
     }
     pthread_mutex_unlock(&L->mu);

@@ -1,7 +1,7 @@
 /*
  * The loop's streams: a worker's stdout/stderr teed from a pipe into its log
  * file, the console (framed lines, framer.c) and the filtered copy, or its
- * return channel captured in memory; the last bytes kept for failure
+ * return channel read into memory; the last bytes kept for failure
  * reports; the fd consoles (console.c) the launcher's fd 1 and 2 are
  * written through.  Loop thread, except what `mu` guards for Python.
  */
@@ -103,8 +103,8 @@ void torchmp_loop_console_entry_writable(torchmp_loop *L, console_entry *e)
 {
     if (torchmp_console_pump(e->console))
         return;
-    /* By the number it was registered with: a console that broke closed
-     * its fd already (epoll dropped it then; the poll backend has not). */
+    /* By the number it was registered with (a broken console keeps its fd
+     * open until it is freed, so the number is still this watch's). */
     if (e->watched == 1)
         (void)torchmp_poller_del(L->poller, e->watched_fd);
     e->watched = 0;
@@ -156,7 +156,7 @@ static torchmp_line_sinks stream_sinks(stream *s)
     sinks.console_waiting = 0;
     sinks.filtered_fd = &g->filtered_fd[s->which];
     sinks.filtered_errno = &g->filtered_errno[s->which];
-    sinks.needles = g->has_needles[s->which] ? &g->needles[s->which] : NULL;
+    sinks.filters = g->has_filters[s->which] ? &g->filters[s->which] : NULL;
     return sinks;
 }
 
@@ -171,25 +171,25 @@ static void stream_after_frame(torchmp_loop *L, stream *s, const torchmp_line_si
         console_entry_watch(L, s->console_entry);
 }
 
-static void capture_append(torchmp_loop *L, stream *s, const char *data, size_t len)
+static void ret_append(torchmp_loop *L, stream *s, const char *data, size_t len)
 {
     pthread_mutex_lock(&L->mu);
-    if (s->capture_errno == 0 && s->capture_len + len > s->capture_cap) {
-        size_t cap = s->capture_cap ? s->capture_cap : 4096;
+    if (s->ret_errno == 0 && s->ret_len + len > s->ret_cap) {
+        size_t cap = s->ret_cap ? s->ret_cap : 4096;
         char *grown;
-        while (cap < s->capture_len + len)
+        while (cap < s->ret_len + len)
             cap *= 2;
-        grown = realloc(s->capture, cap);
+        grown = realloc(s->ret_buf, cap);
         if (grown == NULL) {
-            s->capture_errno = ENOMEM; /* reported as a failed return value */
+            s->ret_errno = ENOMEM; /* Python reports a return value that did not fit */
         } else {
-            s->capture = grown;
-            s->capture_cap = cap;
+            s->ret_buf = grown;
+            s->ret_cap = cap;
         }
     }
-    if (s->capture_errno == 0) {
-        memcpy(s->capture + s->capture_len, data, len);
-        s->capture_len += len;
+    if (s->ret_errno == 0) {
+        memcpy(s->ret_buf + s->ret_len, data, len);
+        s->ret_len += len;
     }
     pthread_mutex_unlock(&L->mu);
 }
@@ -219,9 +219,9 @@ static void stream_consume(torchmp_loop *L, stream *s, const char *data, size_t 
     torchmp_line_sinks sinks;
     int64_t now;
     if (s->which == STREAM_RET) {
-        capture_append(L, s, data, len);
-        if (s->proc->foreign)
-            torchmp_loop_proc_foreign_exit(L, s->proc, 0);
+        ret_append(L, s, data, len);
+        if (s->proc->by_forkserver)
+            torchmp_loop_proc_forkserver_exit(L, s->proc, 0);
         return;
     }
     if (s->log_fd >= 0 && torchmp_write_all(s->log_fd, data, len) != 0) {
@@ -324,8 +324,8 @@ void torchmp_loop_stream_close(torchmp_loop *L, stream *s)
     s->open = 0;
     pthread_mutex_unlock(&L->mu);
     p->group->open_streams--;
-    if (s->which == STREAM_RET && p->foreign && p->info.state == TORCHMP_PROC_RUNNING && !p->exiting)
-        torchmp_loop_proc_foreign_exit(L, p, 1);
+    if (s->which == STREAM_RET && p->by_forkserver && p->info.state == TORCHMP_PROC_RUNNING && !p->exiting)
+        torchmp_loop_proc_forkserver_exit(L, p, 1);
 }
 
 /* Read what is there.  limit < 0: until EAGAIN or EOF (at most a few chunks,
@@ -391,12 +391,12 @@ void torchmp_loop_stream_free(torchmp_loop *L, stream *s)
     s->log_path = NULL;
     free(s->prefix);
     s->prefix = NULL;
-    free(s->capture);
-    s->capture = NULL;
+    free(s->ret_buf);
+    s->ret_buf = NULL;
     free(s->tail);
     s->tail = NULL;
     s->tail_cap = s->tail_len = s->tail_end = 0;
-    s->capture_len = s->capture_cap = 0;
+    s->ret_len = s->ret_cap = 0;
 }
 
 int torchmp_loop_stream_open(torchmp_loop *L, torchmp_proc *p, int which, const torchmp_stream_spec *spec,

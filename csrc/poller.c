@@ -2,7 +2,8 @@
  * Readiness backends for the I/O thread: epoll on Linux, poll() elsewhere (or
  * when forced with TORCHMP_BACKEND=poll).  Both are level-triggered and follow
  * the stdlib selectors contract: HUP and ERR count as readable (the reader
- * then sees 0 or an error), EINTR returns no events.
+ * then sees 0 or an error), EINTR returns no events.  The two answer the
+ * same errors (see torchmp.h); tests/c/poller_test.c checks both.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -36,6 +37,8 @@ struct torchmp_poller {
     int slots_cap;
     struct pollfd *pfds;
     int pfds_cap;
+    int next;                 /* where the next scan starts: more ready fds than
+                               * max_events take turns, as epoll's do */
 };
 
 torchmp_poller *torchmp_poller_new(int backend)
@@ -90,6 +93,17 @@ static int poller_add(torchmp_poller *p, int fd, void *ptr, int writable)
         return 0;
     }
 #endif
+    /* What epoll_ctl would refuse: a closed fd, one already registered. */
+    if (fd < 0 || fcntl(fd, F_GETFD) < 0) {
+        errno = EBADF;
+        return -1;
+    }
+    for (int i = 0; i < p->count; i++) {
+        if (p->slots[i].fd == fd) {
+            errno = EEXIST;
+            return -1;
+        }
+    }
     if (p->count == p->slots_cap) {
         int cap = p->slots_cap ? p->slots_cap * 2 : 64;
         watch_slot *grown = realloc(p->slots, (size_t)cap * sizeof(*grown));
@@ -151,11 +165,16 @@ int torchmp_poller_fd(const torchmp_poller *p)
 
 int torchmp_poller_wait(torchmp_poller *p, torchmp_event *events, int max_events, int timeout_ms)
 {
+    if (max_events <= 0) {
+        errno = EINVAL;
+        return -1;
+    }
+    if (max_events > TORCHMP_POLLER_MAX_EVENTS)
+        max_events = TORCHMP_POLLER_MAX_EVENTS;
 #ifdef TORCHMP_HAVE_EPOLL
     if (p->backend == TORCHMP_BACKEND_EPOLL) {
-        struct epoll_event evs[256];
-        int want = max_events < 256 ? max_events : 256;
-        int n = epoll_wait(p->epfd, evs, want, timeout_ms);
+        struct epoll_event evs[TORCHMP_POLLER_MAX_EVENTS];
+        int n = epoll_wait(p->epfd, evs, max_events, timeout_ms);
         if (n < 0)
             return errno == EINTR ? 0 : -1;
         for (int i = 0; i < n; i++) {
@@ -166,7 +185,7 @@ int torchmp_poller_wait(torchmp_poller *p, torchmp_event *events, int max_events
     }
 #endif
     {
-        int n, out = 0;
+        int n, out = 0, start, last = -1;
         if (p->count > p->pfds_cap) {
             struct pollfd *grown = realloc(p->pfds, (size_t)p->slots_cap * sizeof(*grown));
             if (grown == NULL)
@@ -182,13 +201,20 @@ int torchmp_poller_wait(torchmp_poller *p, torchmp_event *events, int max_events
         n = poll(p->pfds, (nfds_t)p->count, timeout_ms);
         if (n < 0)
             return errno == EINTR ? 0 : -1;
-        for (int i = 0; i < p->count && out < max_events; i++) {
+        start = p->count > 0 ? p->next % p->count : 0;
+        for (int k = 0; k < p->count && out < max_events; k++) {
+            int i = (start + k) % p->count;
             if (p->pfds[i].revents & (POLLIN | POLLOUT | POLLHUP | POLLERR | POLLNVAL)) {
                 events[out].ptr = p->slots[i].ptr;
                 events[out].readable = 1;
                 out++;
+                last = i;
             }
         }
+        /* Cut short by max_events: the next wait starts after the last fd
+         * reported, so every ready fd gets its turn. */
+        if (out == max_events && last >= 0)
+            p->next = last + 1;
         return out;
     }
 }

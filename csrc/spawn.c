@@ -38,7 +38,7 @@
 
 static const char *const step_names[TORCHMP_STEP__COUNT] = {
     [TORCHMP_STEP_NONE] = "none",
-    [TORCHMP_STEP_PIPE] = "creating the exec error pipe",
+    [TORCHMP_STEP_PIPE] = "creating the spawn error pipe",
     [TORCHMP_STEP_FORK] = "fork",
     [TORCHMP_STEP_SIGNALS] = "resetting signal dispositions",
     [TORCHMP_STEP_SETSID] = "setsid",
@@ -47,10 +47,9 @@ static const char *const step_names[TORCHMP_STEP__COUNT] = {
     [TORCHMP_STEP_DUP_STDERR] = "dup2 of stderr",
     [TORCHMP_STEP_CLOSE_FDS] = "closing inherited fds",
     [TORCHMP_STEP_EXEC] = "exec",
-    [TORCHMP_STEP_PROTOCOL] = "reading the exec error record",
-    [TORCHMP_STEP_CHDIR] = "chdir",
+    [TORCHMP_STEP_PROTOCOL] = "reading the spawn error record",
     [TORCHMP_STEP_PIDFD] = "pidfd_open",
-    [TORCHMP_STEP_STREAM] = "creating the tee pipe",
+    [TORCHMP_STEP_STREAM] = "creating the tee pipe or return channel",
     [TORCHMP_STEP_DUP_FD] = "dup2 of the return channel or payload",
 };
 
@@ -83,7 +82,7 @@ const char *torchmp_step_name(int step)
 
 __attribute__((noreturn)) static void child_fail(int errpipe, int step, int errnum)
 {
-    torchmp_exec_error rec;
+    torchmp_spawn_error rec;
     const char *p = (const char *)&rec;
     size_t left = sizeof(rec);
 
@@ -182,9 +181,6 @@ int torchmp_child_setup(const torchmp_spawn_args *a, int keep_fd, int close_othe
     }
 #endif
 
-    if (a->cwd != NULL && chdir(a->cwd) != 0)
-        return TORCHMP_STEP_CHDIR;
-
     /* A source inside the target range could be clobbered by another
      * target's dup2: move it above the range first. */
     for (int i = 0; i < TORCHMP_CHILD_FDS; i++) {
@@ -199,6 +195,12 @@ int torchmp_child_setup(const torchmp_spawn_args *a, int keep_fd, int close_othe
         /* dup2 clears FD_CLOEXEC on the target: the worker keeps it. */
         if (src[i] >= 0 && dup2(src[i], i) < 0)
             return i == 1 ? TORCHMP_STEP_DUP_STDOUT : i == 2 ? TORCHMP_STEP_DUP_STDERR : TORCHMP_STEP_DUP_FD;
+    }
+    /* The copies moved above the range are in place now: a fork()ed worker
+     * (close_others 0) must not keep them. */
+    for (int i = 0; i < TORCHMP_CHILD_FDS; i++) {
+        if (src[i] != a->child_fds[i])
+            close(src[i]);
     }
     if (close_others) {
         /* Slots 3.. of the plan that were not asked for are closed too. */
@@ -298,11 +300,11 @@ __attribute__((noinline)) static pid_t fork_exec(const torchmp_spawn_args *a, in
     return pid;
 }
 
-int torchmp_spawn(const torchmp_spawn_args *a, pid_t *pid_out, torchmp_exec_error *err)
+int torchmp_spawn(const torchmp_spawn_args *a, pid_t *pid_out, torchmp_spawn_error *err)
 {
     int errpipe[2];
     pid_t pid;
-    torchmp_exec_error rec;
+    torchmp_spawn_error rec;
     size_t got = 0;
 
     err->step = TORCHMP_STEP_NONE;

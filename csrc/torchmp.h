@@ -44,11 +44,14 @@
  * spawn.c
  */
 
-/* Where a worker's setup failed; travels from the child in a torchmp_exec_error
- * record.  Values are part of the record format: append only. */
+/* Where a worker's setup failed: in the parent, or in the child between fork
+ * and exec.  Travels from the child in a torchmp_spawn_error record, which
+ * only ever goes from a child to the parent of the same build, so the values
+ * need not stay stable across versions: keep them dense, with
+ * TORCHMP_STEP__COUNT last (Python iterates over 1 .. STEP_COUNT - 1). */
 enum torchmp_spawn_step {
     TORCHMP_STEP_NONE = 0,
-    TORCHMP_STEP_PIPE = 1,        /* parent: error pipe */
+    TORCHMP_STEP_PIPE = 1,        /* parent: spawn error pipe */
     TORCHMP_STEP_FORK = 2,        /* parent: fork/vfork */
     TORCHMP_STEP_SIGNALS = 3,     /* child: reset dispositions / mask */
     TORCHMP_STEP_SETSID = 4,
@@ -58,30 +61,29 @@ enum torchmp_spawn_step {
     TORCHMP_STEP_CLOSE_FDS = 8,
     TORCHMP_STEP_EXEC = 9,
     TORCHMP_STEP_PROTOCOL = 10,   /* parent: short record from the child */
-    TORCHMP_STEP_CHDIR = 11,
-    TORCHMP_STEP_PIDFD = 12,      /* parent: pidfd_open after a good exec */
-    TORCHMP_STEP_STREAM = 13,     /* parent: tee pipe for the worker */
-    TORCHMP_STEP_DUP_FD = 14,     /* child: dup2 of the return/payload fds */
+    TORCHMP_STEP_PIDFD = 11,      /* parent: pidfd_open after a good exec */
+    TORCHMP_STEP_STREAM = 12,     /* parent: tee pipe or return channel for the worker */
+    TORCHMP_STEP_DUP_FD = 13,     /* child: dup2 of the return channel / payload fds */
     TORCHMP_STEP__COUNT
 };
 
-/* The fixed-size record a child writes once to the error pipe before _exit. */
+/* The fixed-size record a child writes once to the spawn error pipe before
+ * _exit: which step failed (any of them, exec or not) and its errno. */
 typedef struct {
     int32_t step;
     int32_t errnum;
-} torchmp_exec_error;
+} torchmp_spawn_error;
 
 /* The fds a worker starts with: 0..2 are stdio, 3 the return channel of a
  * function worker, 4 its payload.  Everything else is closed. */
 #define TORCHMP_CHILD_FDS 5
-#define TORCHMP_FD_RETURN 3
+#define TORCHMP_FD_RET 3
 #define TORCHMP_FD_PAYLOAD 4
 
 typedef struct {
     const char *path;          /* resolved executable (PATH lookup done by the caller) */
     char *const *argv;         /* NULL-terminated, built before fork */
     char *const *envp;         /* NULL-terminated, built before fork */
-    const char *cwd;           /* NULL: inherit */
     /* child_fds[i]: the launcher fd that becomes fd i in the worker; -1 means
      * inherit for 0..2 and closed for the others. */
     int child_fds[TORCHMP_CHILD_FDS];
@@ -95,7 +97,7 @@ typedef struct {
 /* Start one worker.  0 and *pid_out on success (the child has exec'd); -1 with
  * *err filled on failure (the child, if any, has been reaped).  Never raises
  * a signal in the caller; errno is also set to err->errnum. */
-int torchmp_spawn(const torchmp_spawn_args *args, pid_t *pid_out, torchmp_exec_error *err);
+int torchmp_spawn(const torchmp_spawn_args *args, pid_t *pid_out, torchmp_spawn_error *err);
 
 /* The signals a worker must reset before exec: caught ones, and SIGPIPE /
  * SIGXFSZ if ignored.  Called by the parent before a batch of spawns. */
@@ -191,11 +193,14 @@ int torchmp_console_same_target(const torchmp_console *c, int fd);
 #define TORCHMP_PARTIAL_IDLE_NS (100LL * 1000 * 1000)
 #define TORCHMP_PROGRESS_INTERVAL_NS (1000LL * 1000 * 1000)
 
-typedef struct torchmp_needles {
+/* The filters of a stream's filtered copy (duplicate_*_filters): a line
+ * goes to the filtered file if it contains any of them (an empty one
+ * matches every line). */
+typedef struct torchmp_filters {
     size_t count;
     char **data;
     size_t *len;
-} torchmp_needles;
+} torchmp_filters;
 
 typedef struct torchmp_framer {
     const char *prefix;        /* borrowed from the stream */
@@ -226,7 +231,7 @@ typedef struct torchmp_line_sinks {
     const torchmp_console_source *source;
     int console_waiting;               /* out: the console has a backlog to pump */
     int *filtered_fd;                  /* NULL or shared per context */
-    const torchmp_needles *needles;    /* NULL: no filtered copy */
+    const torchmp_filters *filters;    /* NULL: no filtered copy */
     int *filtered_errno;
 } torchmp_line_sinks;
 
@@ -256,15 +261,26 @@ typedef struct {
 
 enum torchmp_backend { TORCHMP_BACKEND_EPOLL = 1, TORCHMP_BACKEND_POLL = 2 };
 
+/* A poller of that backend; NULL with errno (ENOSYS: not built in). */
 torchmp_poller *torchmp_poller_new(int backend);
 void torchmp_poller_free(torchmp_poller *p);
+/* Watch fd for readability (HUP/ERR count too) until torchmp_poller_del;
+ * ptr comes back in its events.  0, or -1 with errno: EBADF (not an open
+ * fd), EEXIST (already watched), ENOMEM; epoll also refuses what it cannot
+ * watch (EPERM: a regular file), which poll() reports ready at once. */
 int torchmp_poller_add(torchmp_poller *p, int fd, void *ptr);
 /* Watch fd for writability (HUP/ERR count too) until torchmp_poller_del. */
 int torchmp_poller_add_writable(torchmp_poller *p, int fd, void *ptr);
+/* Stop watching fd (to watch it the other way, del then add again).  Call it
+ * before closing fd.  0, or -1 with errno ENOENT (not watched). */
 int torchmp_poller_del(torchmp_poller *p, int fd);
-/* Wait up to timeout_ms (negative: forever); returns the number of events
- * (0 on EINTR or timeout) or -1. */
+/* Wait up to timeout_ms (negative: forever); returns the number of events,
+ * at most max_events and at most TORCHMP_POLLER_MAX_EVENTS (0 on EINTR or
+ * timeout), or -1 with errno (EINVAL: max_events < 1).  More ready fds than
+ * that take turns over the following waits. */
+#define TORCHMP_POLLER_MAX_EVENTS 256
 int torchmp_poller_wait(torchmp_poller *p, torchmp_event *events, int max_events, int timeout_ms);
+/* How many fds are watched. */
 int torchmp_poller_fd_count(const torchmp_poller *p);
 /* The epoll fd (pollable: readable while an event is ready); -1 for poll(). */
 int torchmp_poller_fd(const torchmp_poller *p);
@@ -285,7 +301,7 @@ enum torchmp_stream_mode {
     TORCHMP_STREAM_INHERIT = 0,    /* the launcher's own fd */
     TORCHMP_STREAM_FILE = 1,       /* dup2 of an open file: no loop involvement */
     TORCHMP_STREAM_TEE = 2,        /* a pipe drained by the loop into log + console */
-    TORCHMP_STREAM_CAPTURE = 3     /* a pipe drained by the loop into memory (return values) */
+    TORCHMP_STREAM_CAPTURE = 3     /* the return channel: a pipe drained by the loop into memory */
 };
 
 typedef struct {
@@ -305,8 +321,17 @@ typedef struct {
     torchmp_spawn_args args;   /* child_fds[1..3] are filled in by the loop */
     torchmp_stream_spec out;
     torchmp_stream_spec err;
-    torchmp_stream_spec ret;   /* CAPTURE or INHERIT (none) */
+    torchmp_stream_spec ret;   /* the return channel: CAPTURE, or INHERIT (none) */
 } torchmp_rank_spec;
+
+/* The one rule for who owns a rank's worker-side stream fds, child_fds[1..3]
+ * (the worker's stdout, stderr, return channel) as the loop fills them in:
+ * the write ends of pipes the loop opened (TEE, CAPTURE) are the launcher's
+ * copies, closed here once the worker has its own (or will never start),
+ * else the pipe never sees EOF; FILE targets are the caller's own fds and
+ * stay open.  Every slot 1..3 is -1 afterwards.  Only close(2): safe in a
+ * forked child. */
+void torchmp_rank_close_worker_fds(const torchmp_rank_spec *spec, int *child_fds);
 
 enum torchmp_proc_state {
     TORCHMP_PROC_UNSTARTED = 0,
@@ -333,16 +358,16 @@ typedef struct {
 /* Which backend the process-wide loop uses (starting it if needed), or -1. */
 int torchmp_loop_backend(void);
 
-/* A group of nprocs ranks.  Needles are copied.  filtered_*_fd are dup'ed
+/* A group of nprocs ranks.  The filters are copied.  filtered_*_fd are dup'ed
  * (-1: none).  NULL with errno on failure. */
 torchmp_group *torchmp_group_new(int nprocs,
-                                 const torchmp_needles *out_needles, int filtered_out_fd,
-                                 const torchmp_needles *err_needles, int filtered_err_fd);
+                                 const torchmp_filters *out_filters, int filtered_out_fd,
+                                 const torchmp_filters *err_filters, int filtered_err_fd);
 
 /* Spawn ranks [0, count) on the loop thread.  Returns the number started; on
  * a failure at rank k returns k with *err filled.  -1 with errno if the loop
  * could not take the request at all. */
-int torchmp_group_spawn(torchmp_group *g, torchmp_rank_spec *specs, int count, torchmp_exec_error *err);
+int torchmp_group_spawn(torchmp_group *g, torchmp_rank_spec *specs, int count, torchmp_spawn_error *err);
 
 /* Workers forked outside the loop (from Python, or by a forkserver), in one
  * loop round trip per step rather than per rank:
@@ -353,19 +378,23 @@ int torchmp_group_spawn(torchmp_group *g, torchmp_rank_spec *specs, int count, t
  * case nothing stays open; -1 with errno if the request was refused.
  *
  * adopt starts watching pids[i] as ranks[i], started at start_ns[i]
- * (CLOCK_MONOTONIC; start_ns NULL or an entry 0: now).  A foreign pid is not our child:
- * its exit arrives as a trailer on its return channel.  Returns count, or k
- * with *err filled: workers k.. are then killed and reaped (unless foreign)
- * and their streams closed.
+ * (CLOCK_MONOTONIC; start_ns NULL or an entry 0: now).  by_forkserver: the
+ * pids are a forkserver's children, not ours: their exits arrive as a trailer
+ * on their return channels, and they are not ours to kill or reap.  Returns
+ * count, or k with *err filled: workers k.. are then killed and reaped
+ * (unless by_forkserver) and their streams closed.
  *
  * drop_unstarted closes the streams of every rank never adopted. */
-int torchmp_group_prepare(torchmp_group *g, torchmp_rank_spec *specs, int count, torchmp_exec_error *err);
+int torchmp_group_prepare(torchmp_group *g, torchmp_rank_spec *specs, int count, torchmp_spawn_error *err);
 int torchmp_group_adopt(torchmp_group *g, const int *ranks, const pid_t *pids, const int64_t *start_ns, int count,
-                        int foreign, torchmp_exec_error *err);
+                        int by_forkserver, torchmp_spawn_error *err);
 int torchmp_group_drop_unstarted(torchmp_group *g);
 
-/* The record a forkserver appends to a worker's return channel once it has
- * reaped the worker (the worker is its child, not ours). */
+/* The record a forkserver appends to a worker's return channel once the
+ * worker has exited (it is the forkserver's child, not ours).  Native byte
+ * order, no padding: torchmp/_forkserver.py packs it with struct, and
+ * tests/test_constants.py checks that against this layout (_core exports
+ * its size and offsets). */
 #define TORCHMP_EXIT_TRAILER_MAGIC "tmpEXIT1"
 typedef struct {
     char magic[8];
@@ -377,7 +406,7 @@ typedef struct {
 
 /* Take the bytes a rank wrote to its return channel (malloc'ed; the caller
  * frees).  *len = 0 and NULL when there are none. */
-char *torchmp_group_take_capture(torchmp_group *g, int rank, size_t *len);
+char *torchmp_group_take_ret(torchmp_group *g, int rank, size_t *len);
 
 /* Copy the per-rank state; returns the group's change counter. */
 uint64_t torchmp_group_snapshot(torchmp_group *g, torchmp_proc_info *out, int n);
@@ -425,8 +454,8 @@ int torchmp_group_busy(torchmp_group *g, unsigned char *busy);
 
 /* torchmp will not signal the group again: reap every exited rank's zombie.
  * Forkserver workers are the forkserver's to reap: up to cap of their pids
- * go to foreign[] for the caller to hand back; returns their count. */
-int torchmp_group_reap(torchmp_group *g, pid_t *foreign, int cap);
+ * go to forkserver_pids[] for the caller to hand back; returns their count. */
+int torchmp_group_reap(torchmp_group *g, pid_t *forkserver_pids, int cap);
 
 /* Drain what is readable now, flush partial lines and close every stream of
  * the group (grandchildren holding a pipe no longer keep it alive). */

@@ -38,7 +38,12 @@ def test_exec_error_decoder_picks_oserror_subclass():
 
 
 def test_exec_error_decoder_names_setup_steps():
-    for step in range(1, 14):
+    # Every step the C core has (a new one is in STEP_COUNT), each named.
+    steps = range(1, _core.STEP_COUNT)
+    assert _core.STEP_EXEC in steps and len(steps) >= 13
+    names = [_core.step_name(step) for step in steps]
+    assert "unknown step" not in names and len(set(names)) == len(names), names
+    for step in steps:
         e = _core.exec_error(step, errno.EBADF, "/bin/x")
         assert e.errno == errno.EBADF
         if step == _core.STEP_EXEC:
@@ -46,6 +51,9 @@ def test_exec_error_decoder_names_setup_steps():
         else:
             assert _core.step_name(step) in str(e) and e.filename is None
     assert "no errno" in str(_core.exec_error(4, 0, "/x"))
+    assert _core.step_name(0) == "none"
+    assert _core.step_name(_core.STEP_COUNT) == "unknown step"
+    assert _core.step_name(-1) == "unknown step"
     assert _core.step_name(999) == "unknown step"
 
 

@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from torchmp import _core
-from torchmp._exec import _exec_env, _ExecPlan, _launcher_environ, resolve_executable
+from torchmp._exec import RankStreams, _exec_env, _ExecPlan, _launcher_environ, resolve_executable
 from torchmp._native import _NativeContext
 from torchmp.logs_specs import LogsSpecs
 
@@ -52,7 +52,7 @@ class SubprocessContext(_NativeContext):
                 if has_nul:
                     raise ValueError(f"args[{rank}]: argument {a!r} contains a NUL byte")
 
-    def _launch(self, group: _core.Group, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
+    def _launch(self, group: _core.Group, streams: list[RankStreams]) -> None:
         plans = []
         environ = _launcher_environ()
         for rank in range(self.nprocs):

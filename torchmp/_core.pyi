@@ -5,7 +5,7 @@ name here exists in the module with the same parameters, and every public
 name of the module is declared here.
 """
 
-from typing import Any, Final, NamedTuple
+from typing import Final, NamedTuple
 
 __version__: Final[str]
 PORTABLE_BUILD: Final[bool]
@@ -14,8 +14,8 @@ COLLECT_HAS_RUSAGE: Final[bool]
 STREAM_INHERIT: Final[int]
 STREAM_FILE: Final[int]
 STREAM_TEE: Final[int]
-STREAM_CAPTURE: Final[int]
-FD_RETURN: Final[int]
+STREAM_CAPTURE: Final[int]  # the return channel's mode
+FD_RETURN: Final[int]  # the worker's fd of its return channel
 FD_PAYLOAD: Final[int]
 
 PROC_UNSTARTED: Final[int]
@@ -23,12 +23,13 @@ PROC_RUNNING: Final[int]
 PROC_EXITED: Final[int]
 
 STEP_EXEC: Final[int]
+STEP_COUNT: Final[int]
 
-# (mode, fd, console, prefix[, timestamps[, log_path[, backlog[, tail]]]]):
-# how one stream of a rank is wired.
-_StreamSpec = tuple[Any, ...]
-# (path, argv, envp, out, err, ret, payload_fd): one rank of Group.spawn.
-_RankSpec = tuple[bytes, list[bytes], list[bytes], _StreamSpec, _StreamSpec, _StreamSpec, int]
+EXIT_TRAILER_MAGIC: Final[str]
+EXIT_TRAILER_SIZE: Final[int]
+
+def exit_trailer_fields() -> tuple[tuple[str, int, int], ...]: ...
+
 class ProcInfo(NamedTuple):
     """One rank as Group.snapshot() saw it."""
 
@@ -44,6 +45,29 @@ class ProcInfo(NamedTuple):
     out_log_errno: int
     err_log_errno: int
     status_lost: bool
+
+class StreamSpec(NamedTuple):
+    """How one stream of a rank (stdout, stderr, the return channel) is wired."""
+
+    mode: int
+    fd: int
+    console: int | QueueConsole
+    prefix: bytes | None
+    timestamps: bool = ...
+    log_path: bytes | None = ...
+    backlog: int = ...
+    tail: int = ...
+
+class RankSpec(NamedTuple):
+    """One rank of Group.spawn."""
+
+    path: bytes
+    argv: list[bytes]
+    envp: list[bytes]
+    out: StreamSpec
+    err: StreamSpec
+    ret: StreamSpec
+    payload_fd: int
 
 def redirect_fd(std_fd: int, target_fd: int) -> int: ...
 def restore_fd(std_fd: int, saved_fd: int) -> None: ...
@@ -98,11 +122,11 @@ class Group:
         filtered_err_fd: int = ...,
     ) -> None: ...
     def release(self) -> None: ...
-    def spawn(self, specs: list[_RankSpec]) -> None: ...
-    def prepare(self, specs: list[tuple[_StreamSpec, _StreamSpec, _StreamSpec]]) -> list[tuple[int, int, int]]: ...
+    def spawn(self, specs: list[RankSpec]) -> None: ...
+    def prepare(self, specs: list[tuple[StreamSpec, StreamSpec, StreamSpec]]) -> list[tuple[int, int, int]]: ...
     def close_worker_fds(self, rank: int) -> None: ...
     def fork_rank(self, rank: int, pdeathsig: bool, default_signals: tuple[int, ...] = ...) -> tuple[int, int]: ...
-    def adopt(self, workers: list[tuple[int, int]], foreign: bool) -> None: ...
+    def adopt(self, workers: list[tuple[int, int]], by_forkserver: bool) -> None: ...
     def adopt_forked(self) -> None: ...
     def forkserver_fork(self, rank: int, sock_fd: int, message: bytes, fds: list[int], timeout: float) -> int: ...
     def drop_unstarted(self) -> None: ...

@@ -93,8 +93,11 @@ def _exitcode(wait_status: int) -> int:
 
 # Stream specs without a file: the worker inherits the launcher's stream, or
 # (the return channel) the I/O thread keeps what the worker writes.
-_NO_STREAM = (_core.STREAM_INHERIT, -1, -1, None)
-_RETURN_CHANNEL = (_core.STREAM_CAPTURE, -1, -1, None)
+_NO_STREAM = _core.StreamSpec(_core.STREAM_INHERIT, -1, -1, None)
+_RETURN_CHANNEL = _core.StreamSpec(_core.STREAM_CAPTURE, -1, -1, None)
+
+#: A rank's (stdout, stderr) as the native core is to wire them.
+RankStreams = tuple[_core.StreamSpec, _core.StreamSpec]
 
 
 @dataclass

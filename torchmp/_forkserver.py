@@ -41,14 +41,14 @@ import time
 from typing import Any
 
 from torchmp import _core, _worker
-from torchmp._exec import _RETURN_CHANNEL, _exec_env, rank_environb
+from torchmp._exec import _NO_STREAM, _RETURN_CHANNEL, RankStreams, _exec_env, rank_environb
 
 __all__ = ["set_forkserver_preload", "get_forkserver"]
 
 _REPLY = struct.Struct("<q")
 _LENGTH = struct.Struct("<I")
 _TRAILER = struct.Struct("<8sqqqq")
-_TRAILER_MAGIC = b"tmpEXIT1"
+_TRAILER_MAGIC = _core.EXIT_TRAILER_MAGIC.encode("ascii")
 _PID = struct.Struct("<q")
 _RELEASE = 0x80  # flags bit of a release message
 
@@ -103,8 +103,8 @@ class ForkServer:
             argv = _worker.interpreter_argv("torchmp._forkserver", "server_main")
             env = _exec_env(0, {})  # the launcher's
             group = _core.Group(1)
-            inherit = (_core.STREAM_INHERIT, -1, -1, None)
-            group.spawn([(os.fsencode(sys.executable), argv, env, inherit, inherit, inherit, child_sock.fileno())])
+            group.spawn([_core.RankSpec(os.fsencode(sys.executable), argv, env, _NO_STREAM, _NO_STREAM, _NO_STREAM,
+                                        child_sock.fileno())])
         except BaseException:
             parent_sock.close()
             raise
@@ -181,7 +181,7 @@ class ForkServer:
                 pass  # gone: its zombies went with it
 
     # -- launching ----------------------------------------------------------
-    def launch(self, ctx: Any, group: _core.Group, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
+    def launch(self, ctx: Any, group: _core.Group, streams: list[RankStreams]) -> None:
         with self._lock:
             if not self._alive():
                 self._start()

@@ -40,7 +40,9 @@ from collections.abc import Callable
 from typing import Any
 
 from torchmp import _core, _worker
-from torchmp._exec import _RETURN_CHANNEL, _ExecPlan, _exec_env, _exitcode, _launcher_environ, apply_rank_env
+from torchmp._exec import (
+    _RETURN_CHANNEL, RankStreams, _ExecPlan, _exec_env, _exitcode, _launcher_environ, apply_rank_env,
+)
 from torchmp._inputs import START_METHODS
 from torchmp._native import KILL_GRACE_SECONDS, _NativeContext, logger
 from torchmp._pcontext import RunProcsResult
@@ -241,7 +243,7 @@ class MultiprocessContext(_NativeContext):
         self._fn: Callable[..., Any] = entrypoint  # self.entrypoint, as its type
 
     # -- launching ------------------------------------------------------------
-    def _launch(self, group: _core.Group, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
+    def _launch(self, group: _core.Group, streams: list[RankStreams]) -> None:
         if self.start_method != "fork" and "__main__" in sys.modules:
             # Workers re-import the main module as __mp_main__, so objects of
             # its classes come back pickled under that name (multiprocessing
@@ -256,7 +258,7 @@ class MultiprocessContext(_NativeContext):
 
             get_forkserver().launch(self, group, streams)
 
-    def _launch_spawn(self, group: _core.Group, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
+    def _launch_spawn(self, group: _core.Group, streams: list[RankStreams]) -> None:
         prep = _worker.preparation_data()
         argv = _worker.interpreter_argv("torchmp._worker", "spawn_main")
         path = os.fsencode(sys.executable)
@@ -275,7 +277,7 @@ class MultiprocessContext(_NativeContext):
             for fd in payload_fds:
                 os.close(fd)
 
-    def _launch_fork(self, group: _core.Group, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
+    def _launch_fork(self, group: _core.Group, streams: list[RankStreams]) -> None:
         # Python-level buffers would otherwise be written twice (parent and child).
         for stream in (sys.stdout, sys.stderr):
             try:

@@ -17,7 +17,7 @@ from typing import Any
 
 from torchmp import _console, _core, _oom
 from torchmp._exec import (
-    _RETURN_CHANNEL, _NO_STREAM, _ExecPlan, _exitcode, _open_log,
+    _RETURN_CHANNEL, _NO_STREAM, RankStreams, _ExecPlan, _exitcode, _open_log,
 )
 from torchmp._inputs import (
     DEFAULT_STDERR_TAIL_LINES, TAIL_BYTES_PER_LINE, _check_filters, _check_name, _check_prefixes,
@@ -109,18 +109,18 @@ class _NativeContext(PContext):
         raise NotImplementedError
 
     @abc.abstractmethod
-    def _launch(self, group: _core.Group, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]]) -> None:
+    def _launch(self, group: _core.Group, streams: list[RankStreams]) -> None:
         """Start every rank in ``group``; ``streams[rank]`` is its (stdout,
         stderr) plan for the native core."""
         raise NotImplementedError
 
-    def _spawn(self, group: _core.Group, streams: list[tuple[tuple[Any, ...], tuple[Any, ...]]],
+    def _spawn(self, group: _core.Group, streams: list[RankStreams],
                plans: list[_ExecPlan]) -> None:
         """Exec-launch every rank from the I/O thread.  If rank k cannot be
         started, ranks < k are killed and reaped and the OSError raised."""
         specs = [
-            (plan.path, plan.argv, plan.envp, out, err, _RETURN_CHANNEL if plan.return_channel else _NO_STREAM,
-             plan.payload_fd)
+            _core.RankSpec(plan.path, plan.argv, plan.envp, out, err,
+                           _RETURN_CHANNEL if plan.return_channel else _NO_STREAM, plan.payload_fd)
             for plan, (out, err) in zip(plans, streams, strict=True)
         ]
         try:
@@ -153,7 +153,7 @@ class _NativeContext(PContext):
         return os.fsencode(text)
 
     def _stream_spec(self, rank: int, which: int, opened: list[int], consoles: list[Any],
-                     backlog: int) -> tuple[Any, ...]:
+                     backlog: int) -> _core.StreamSpec:
         paths = self.stdouts if which == 0 else self.stderrs
         tees = self._logs_dest.tee_stdouts if which == 0 else self._logs_dest.tee_stderrs
         path = paths.get(rank, "")
@@ -165,14 +165,14 @@ class _NativeContext(PContext):
             if which == 1 and self.watch_stderr and tail:
                 # Shown as it was (no prefix), but through a pipe: the tail
                 # is kept as it passes.
-                return (_core.STREAM_TEE, -1, sink, b"", False, None, backlog, tail)
-            return (_core.STREAM_INHERIT, -1, -1, None)
+                return _core.StreamSpec(_core.STREAM_TEE, -1, sink, b"", False, None, backlog, tail)
+            return _NO_STREAM
         fd = _open_log(path)
         opened.append(fd)
         if rank in tees:
-            return (_core.STREAM_TEE, fd, sink, self._prefix(rank), self.log_line_timestamps,
-                    os.fsencode(os.path.abspath(path)), backlog, tail)
-        return (_core.STREAM_FILE, fd, -1, None)
+            return _core.StreamSpec(_core.STREAM_TEE, fd, sink, self._prefix(rank), self.log_line_timestamps,
+                                    os.fsencode(os.path.abspath(path)), backlog, tail)
+        return _core.StreamSpec(_core.STREAM_FILE, fd, -1, None)
 
     # Launcher fds per rank beyond its streams: the pidfd, plus what a
     # subclass adds (return channel, spawn payload).

@@ -1,10 +1,11 @@
 """The worker side of a function launch (spawn, fork and forkserver).
 
 A spawned worker starts as ``python -c "from torchmp._worker import
-spawn_main; spawn_main()"`` with its payload on fd 4 and its return channel
-on fd 3.  This module imports only the standard library pieces it needs (and
-``torchmp.errors`` only when there is an error to record), so a worker starts
-about as fast as a bare interpreter.
+spawn_main; spawn_main()"`` with its payload on fd ``FD_PAYLOAD`` (4) and its
+return channel on fd ``FD_RETURN`` (3).  This module imports only the
+standard library pieces it needs and the compiled core, which ``import
+torchmp`` has loaded already (``torchmp.errors`` only when there is an error
+to record), so a worker starts about as fast as a bare interpreter.
 
 Payload layout: an 8-byte little-endian length, then a pickle of the
 preparation data (sys.path, argv, how to re-import the main module), then a
@@ -20,8 +21,10 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-FD_RETURN = 3
-FD_PAYLOAD = 4
+# The worker's fds, as the C core's spawn plan places them (one source:
+# torchmp/__init__.py imports _core before this module runs, so this costs
+# no import).
+from torchmp._core import FD_PAYLOAD as FD_PAYLOAD, FD_RETURN as FD_RETURN  # re-exported
 
 
 def _read_all(fd: int) -> bytes:
@@ -55,6 +58,7 @@ def interpreter_argv(module: str, function: str) -> list[bytes]:
     home = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = f"import sys; sys.path[0] = {home!r}; from {module} import {function}; {function}()"
     argv = [os.fsencode(sys.executable)]
+    # multiprocessing's own way to pass -X, -W, -O... on; private, so not in typeshed.
     argv += [os.fsencode(a) for a in subprocess._args_from_interpreter_flags()]  # type: ignore[attr-defined]
     return argv + [b"-c", code.encode()]
 
@@ -143,30 +147,6 @@ def decode_payload(data: bytes) -> tuple[dict[str, Any], bytes]:
 
 
 # --- running the function ----------------------------------------------------
-
-def _env_bytes(value: Any) -> bytes:
-    if isinstance(value, bytes):
-        return value
-    return os.fsencode(value if isinstance(value, str) else str(value))
-
-
-def full_env(env: dict[Any, Any]) -> dict[bytes, bytes]:
-    """The launcher's environment with env on top, as bytes (what an exec'd
-    worker would get)."""
-    full = dict(os.environb)
-    for key, value in env.items():
-        full[_env_bytes(key)] = _env_bytes(value)
-    return full
-
-
-def apply_env(env: dict[Any, Any]) -> None:
-    """Put envs[rank] into os.environ the way an exec'd worker gets it:
-    bytes taken as raw (filesystem-encoded) bytes, anything else via str()."""
-    for key, value in env.items():
-        k = os.fsdecode(key) if isinstance(key, bytes) else str(key)
-        v = os.fsdecode(value) if isinstance(value, bytes) else value if isinstance(value, str) else str(value)
-        os.environ[k] = v
-
 
 def fresh_stdio() -> None:
     """Make sys.stdout/sys.stderr write to fds 1/2 again.

@@ -1,0 +1,187 @@
+"""Constants and layouts that the C core and the Python layer must agree on.
+
+Each fact lives in one place and the other side reads it from there, or this
+file ties the two copies together: the worker's fd numbers (C's spawn plan,
+torchmp._worker), the forkserver's exit trailer (C's torchmp_exit_trailer,
+torchmp._forkserver's struct), the setup steps a spawn error names, and the
+named records Group.spawn / Group.prepare take.
+"""
+from __future__ import annotations
+
+import os
+import re
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+
+from torchmp import _core, _forkserver, _worker
+
+from helpers import TORCHMP_PATH
+
+# --------------------------------------------------------------------------- helpers
+
+
+def run_group(specs: list[_core.RankSpec]) -> tuple[list[_core.ProcInfo], list[bytes]]:
+    """Spawn specs in a native group, wait for every rank to exit; the ranks'
+    final states and what each wrote to its return channel."""
+    group = _core.Group(len(specs))
+    try:
+        group.spawn(specs)
+        deadline = time.monotonic() + 30
+        while True:
+            version, ranks = group.snapshot()
+            if all(info.state == _core.PROC_EXITED for info in ranks):
+                break
+            assert time.monotonic() < deadline, ranks
+            group.wait(1.0, version)
+        group.finish_streams()
+        return ranks, [bytes(group.take_return(rank)) for rank in range(len(specs))]
+    finally:
+        try:
+            group.killpg(9)
+        except OSError:
+            pass
+        group.reap()
+        group.finish_streams()
+        group.release()
+
+
+INHERIT = _core.StreamSpec(_core.STREAM_INHERIT, -1, -1, None)
+RETURN_CHANNEL = _core.StreamSpec(_core.STREAM_CAPTURE, -1, -1, None)
+
+
+def sh(script: str, payload_fd: int = -1, ret: _core.StreamSpec = RETURN_CHANNEL) -> _core.RankSpec:
+    return _core.RankSpec(b"/bin/sh", [b"sh", b"-c", script.encode()], [b"PATH=/usr/bin:/bin"],
+                          INHERIT, INHERIT, ret, payload_fd)
+
+
+# --------------------------------------------------------------------------- the worker's fds
+
+
+def test_worker_fd_numbers_come_from_the_core() -> None:
+    assert (_worker.FD_RETURN, _worker.FD_PAYLOAD) == (_core.FD_RETURN, _core.FD_PAYLOAD)
+    assert _worker.FD_RETURN is _core.FD_RETURN and _worker.FD_PAYLOAD is _core.FD_PAYLOAD
+    assert len({0, 1, 2, _core.FD_RETURN, _core.FD_PAYLOAD}) == 5
+
+
+def test_worker_fds_are_where_the_core_puts_them(tmp_path) -> None:
+    # An exec'd worker finds its payload at FD_PAYLOAD and its return channel
+    # at FD_RETURN: the numbers Python uses are the C spawn plan's.
+    payload = tmp_path / "payload"
+    payload.write_bytes(b"the payload\n")
+    fd = os.open(payload, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        ranks, returned = run_group([
+            sh(f"cat <&{_core.FD_PAYLOAD} >&{_core.FD_RETURN}", payload_fd=fd),
+            # nothing asked for: neither fd is open in the worker
+            sh(f"ls /proc/$$/fd > /dev/null; [ ! -e /proc/$$/fd/{_core.FD_RETURN} ] && "
+               f"[ ! -e /proc/$$/fd/{_core.FD_PAYLOAD} ]", ret=INHERIT),
+        ])
+    finally:
+        os.close(fd)
+    assert [info.wait_status for info in ranks] == [0, 0], ranks
+    assert returned == [b"the payload\n", b""]
+
+
+def test_worker_module_stays_import_light() -> None:
+    # _worker reads the fd numbers from _core, which `import torchmp` loads
+    # anyway: a spawned worker imports nothing else of torchmp.
+    code = ("import sys; import torchmp._worker; "
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('torchmp'))))")
+    env = dict(os.environ, PYTHONPATH=TORCHMP_PATH)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=60, check=True).stdout.split()
+    assert out == ["torchmp", "torchmp._core", "torchmp._version", "torchmp._worker"], out
+
+
+# --------------------------------------------------------------------------- the exit trailer
+
+
+def _python_fields() -> list[tuple[int, int]]:
+    """(offset, size) of each field of _forkserver's trailer struct."""
+    fmt = _forkserver._TRAILER.format
+    order = fmt[0] if fmt[0] in "<>!=@" else "@"
+    fields, offset = [], 0
+    for count, code in re.findall(r"(\d*)([a-zA-Z?])", fmt.lstrip("<>!=@")):
+        n = int(count or 1)
+        # "8s" is one field of 8 bytes; "2q" two fields
+        for size in ([n * struct.calcsize(order + code)] if code in "sp" else [struct.calcsize(order + code)] * n):
+            fields.append((offset, size))
+            offset += size
+    assert offset == _forkserver._TRAILER.size  # no padding in the Python layout
+    return fields
+
+
+def test_exit_trailer_layout_matches_the_c_struct() -> None:
+    c_fields = _core.exit_trailer_fields()
+    assert [name for name, _, _ in c_fields] == ["magic", "wait_status", "utime_ns", "stime_ns", "maxrss_kb"]
+    assert _python_fields() == [(offset, size) for _, offset, size in c_fields]
+    assert _forkserver._TRAILER.size == _core.EXIT_TRAILER_SIZE
+    assert _forkserver._TRAILER_MAGIC == _core.EXIT_TRAILER_MAGIC.encode("ascii")
+    assert len(_forkserver._TRAILER_MAGIC) == dict((n, s) for n, _, s in c_fields)["magic"]
+
+
+def test_exit_trailer_written_by_python_reads_back_in_c_order() -> None:
+    # What the forkserver writes, read field by field the way the C core
+    # does (its offsets, native byte order): the same values come out.
+    values = {"wait_status": 0x0300, "utime_ns": 123456789012, "stime_ns": -2, "maxrss_kb": 1 << 40}
+    blob = _forkserver._trailer(values["wait_status"], values["utime_ns"], values["stime_ns"],
+                                values["maxrss_kb"])
+    assert len(blob) == _core.EXIT_TRAILER_SIZE
+    for name, offset, size in _core.exit_trailer_fields():
+        raw = blob[offset:offset + size]
+        if name == "magic":
+            assert raw.decode("ascii") == _core.EXIT_TRAILER_MAGIC
+        else:
+            assert int.from_bytes(raw, sys.byteorder, signed=True) == values[name], name
+
+
+# --------------------------------------------------------------------------- setup steps
+
+
+def test_step_count_covers_every_named_step() -> None:
+    assert 0 < _core.STEP_EXEC < _core.STEP_COUNT
+    named = [step for step in range(_core.STEP_COUNT + 5) if _core.step_name(step) != "unknown step"]
+    assert named == list(range(_core.STEP_COUNT)), named
+
+
+# --------------------------------------------------------------------------- spawn records
+
+
+def test_stream_spec_defaults() -> None:
+    spec = _core.StreamSpec(_core.STREAM_TEE, -1, 1, b"[p]")
+    assert spec == (_core.STREAM_TEE, -1, 1, b"[p]", False, None, _core.DEFAULT_CONSOLE_BACKLOG, 0)
+    assert _core.StreamSpec.__module__ == _core.RankSpec.__module__ == _core.ProcInfo.__module__ == "torchmp._core"
+    assert len({_core.STREAM_INHERIT, _core.STREAM_FILE, _core.STREAM_TEE, _core.STREAM_CAPTURE}) == 4
+
+
+def test_spawn_takes_records_and_plain_tuples(tmp_path) -> None:
+    log = tmp_path / "out.log"
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        to_file = _core.StreamSpec(_core.STREAM_FILE, fd, -1, None)
+        plain = tuple(sh("echo plain >&3"))
+        ranks, returned = run_group([
+            sh("echo record; echo ret >&3")._replace(out=to_file),
+            plain,
+        ])
+    finally:
+        os.close(fd)
+    assert [info.wait_status for info in ranks] == [0, 0], ranks
+    assert returned == [b"ret\n", b"plain\n"]
+    assert log.read_bytes() == b"record\n"
+
+
+@pytest.mark.parametrize("bad", [(_core.STREAM_INHERIT, -1, -1), tuple(INHERIT) + (False, None, 1, 0, "x"),
+                                 [_core.STREAM_INHERIT, -1, -1, None]])
+def test_malformed_stream_spec_is_refused(bad) -> None:
+    group = _core.Group(1)
+    try:
+        with pytest.raises(TypeError, match="StreamSpec"):
+            group.spawn([sh("exit 0")._replace(out=bad)])
+        assert group.started == 0
+    finally:
+        group.release()
