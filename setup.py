@@ -74,7 +74,8 @@ extension = Extension(
     undef_macros=undef_macros,
     extra_compile_args=compile_args,
     extra_link_args=link_args,
-    depends=["csrc/torchmp.h", "csrc/loop_internal.h", "csrc/ctorchmp.pxd"] + C_SOURCES,
+    depends=["csrc/torchmp.h", "csrc/loop_internal.h", "csrc/ctorchmp.pxd", "csrc/specs.pxi", "csrc/group.pxi"]
+    + C_SOURCES,
 )
 
 setup(

@@ -1,0 +1,633 @@
+# Included by _core.pyx: Group, the native side of one PContext.
+
+cdef class Group:
+    """The native side of one PContext: its ranks, their streams and exits.
+
+    Safe from any thread and from signal handlers: release() while other
+    threads sit in wait() (or any call that drops the GIL) wakes them and
+    frees the native group only once the last of them has left."""
+
+    cdef torchmp_group *g
+    cdef readonly int nprocs
+    cdef readonly int started
+    cdef int owner_pid
+    # prepare(): ranks staged for fork_rank / a forkserver, and fork times.
+    cdef torchmp_rank_spec *staged
+    cdef int64_t *fork_ns
+    cdef int nstaged
+    # Workers started outside the I/O thread, recorded in C the moment their
+    # pid is known (no Python handler can run in between), until adopted:
+    # an interrupted launch can then still find and kill every one.
+    # forked_by_forkserver[rank]: a forkserver's child (see adopt).
+    cdef pid_t *forked_pid
+    cdef bint *forked_by_forkserver
+    # Calls that run without the GIL right now; release() waits for them.
+    cdef int users
+    cdef bint release_pending
+
+    def __cinit__(self, int nprocs, list out_filters=None, int filtered_out_fd=-1,
+                  list err_filters=None, int filtered_err_fd=-1):
+        cdef torchmp_filters out_n, err_n
+        cdef list keep = []
+        memset(&out_n, 0, sizeof(out_n))
+        memset(&err_n, 0, sizeof(err_n))
+        self.g = NULL
+        self.nprocs = nprocs
+        self.started = 0
+        self.owner_pid = getpid()
+        self.forked_pid = <pid_t *>calloc(nprocs if nprocs > 0 else 1, sizeof(pid_t))
+        self.forked_by_forkserver = <bint *>calloc(nprocs if nprocs > 0 else 1, sizeof(bint))
+        if self.forked_pid == NULL or self.forked_by_forkserver == NULL:
+            raise MemoryError()
+        try:
+            if out_filters is not None:
+                filters_fill(&out_n, out_filters, keep)
+            if err_filters is not None:
+                filters_fill(&err_n, err_filters, keep)
+            self.g = torchmp_group_new(
+                nprocs,
+                &out_n if out_filters is not None else NULL, filtered_out_fd,
+                &err_n if err_filters is not None else NULL, filtered_err_fd)
+            if self.g == NULL:
+                check(-1, b"creating a worker group")
+        finally:
+            filters_clear(&out_n)
+            filters_clear(&err_n)
+
+    def __dealloc__(self):
+        self._unstage()
+        if self.g != NULL:
+            torchmp_group_release(self.g)
+            self.g = NULL
+        free(self.forked_pid)
+        free(self.forked_by_forkserver)
+
+    def release(self):
+        """Hand the group back to the I/O thread, which frees it (and its
+        fds) once every rank is reaped and every stream closed.  Threads
+        waiting on the group are woken; the native group goes once the last
+        has left.  Later calls raise ValueError; release itself is
+        idempotent."""
+        if self.g == NULL or self.release_pending:
+            return
+        self._unstage()
+        self.release_pending = True
+        if getpid() == self.owner_pid:
+            torchmp_group_interrupt(self.g)
+        if self.users == 0:
+            self._free_group()
+
+    cdef void _free_group(self) noexcept:
+        if self.g != NULL:
+            torchmp_group_release(self.g)
+            self.g = NULL
+
+    cdef int _enter(self) except -1:
+        """Before a call that drops the GIL: the group stays until _leave."""
+        self._ours()
+        self.users += 1
+        return 0
+
+    cdef void _leave(self) noexcept:
+        self.users -= 1
+        if self.users == 0 and self.release_pending:
+            self._free_group()
+
+    cdef int _ours(self) except -1:
+        if self.g == NULL or self.release_pending:
+            raise ValueError("worker group is closed")
+        if getpid() != self.owner_pid:
+            raise RuntimeError(
+                "this torchmp context was created in a parent process; "
+                "it cannot be used after fork")
+        return 0
+
+    def spawn(self, list specs):
+        """Start ranks 0..len(specs)-1.
+
+        Each spec is a RankSpec(path, argv, envp, out, err, ret, payload_fd):
+        path bytes, argv/envp lists of bytes, out/err/ret StreamSpecs (ret:
+        the return channel, STREAM_CAPTURE or STREAM_INHERIT for none);
+        payload_fd (or -1) becomes the worker's fd FD_PAYLOAD.  Plain tuples
+        of the same fields work too.
+        Raises SpawnError (an OSError) with .rank and .step set for the first
+        rank that could not be started.
+        """
+        cdef Py_ssize_t i, j, count = len(specs)
+        cdef torchmp_rank_spec *cspecs = NULL
+        cdef torchmp_spawn_error err
+        cdef list keep = []
+        cdef int started
+        self._ours()
+        if self.started:
+            raise RuntimeError("worker group already started")
+        if count > self.nprocs:
+            raise ValueError(f"{count} specs for a group of {self.nprocs}")
+        cspecs = <torchmp_rank_spec *>calloc(count if count else 1, sizeof(torchmp_rank_spec))
+        if cspecs == NULL:
+            raise MemoryError()
+        try:
+            for i in range(count):
+                path, argv, envp, out, errspec, ret, payload_fd = specs[i]
+                if not isinstance(path, bytes):
+                    raise TypeError("path must be bytes")
+                keep.append(path)
+                cspecs[i].args.path = PyBytes_AS_STRING(path)
+                cspecs[i].args.argv = cstring_array(argv, keep)
+                cspecs[i].args.envp = cstring_array(envp, keep)
+                for j in range(TORCHMP_CHILD_FDS):
+                    cspecs[i].args.child_fds[j] = -1
+                cspecs[i].args.child_fds[TORCHMP_FD_PAYLOAD] = payload_fd
+                stream_spec_fill(&cspecs[i].out, out, keep)
+                stream_spec_fill(&cspecs[i].err, errspec, keep)
+                stream_spec_fill(&cspecs[i].ret, ret, keep)
+            memset(&err, 0, sizeof(err))
+            self._enter()
+            try:
+                with nogil:
+                    started = torchmp_group_spawn(self.g, cspecs, <int>count, &err)
+            finally:
+                self._leave()
+            if started < 0:
+                check(-1, b"handing the spawn request to the I/O thread")
+            self.started = started
+            if started < count:
+                exc = exec_error(err.step, err.errnum, _os.fsdecode(specs[started][0]))
+                spawn_error = SpawnError(*exc.args)
+                spawn_error.rank = started
+                spawn_error.step = err.step
+                spawn_error.errno_ = err.errnum
+                spawn_error.cause = exc
+                raise spawn_error
+        finally:
+            for i in range(count):
+                free(<void *>cspecs[i].args.argv)
+                free(<void *>cspecs[i].args.envp)
+            free(cspecs)
+
+    cdef void _close_worker_fds(self, int rank) noexcept:
+        """Close this process's copies of rank's worker-side pipe ends (the
+        C core's one rule: FILE targets are the caller's own)."""
+        torchmp_rank_close_worker_fds(&self.staged[rank], self.staged[rank].args.child_fds)
+
+    cdef void _unstage(self) noexcept:
+        cdef int rank
+        if self.staged == NULL:
+            return
+        if getpid() == self.owner_pid:  # a forked worker's copies are gone
+            for rank in range(self.nstaged):
+                self._close_worker_fds(rank)
+        self._free_staging()
+
+    cdef void _free_staging(self) noexcept:
+        free(self.staged)
+        free(self.fork_ns)
+        self.staged = NULL
+        self.fork_ns = NULL
+        self.nstaged = 0
+
+    def prepare(self, list specs):
+        """Open the streams of ranks 0..len(specs)-1 for workers started
+        outside the I/O thread (fork_rank, a forkserver), in one round trip.
+
+        Each spec is (out, err, ret), three StreamSpecs (ret: the return
+        channel).  Returns each rank's worker-side fds
+        (stdout, stderr, return channel; -1 for none).  The pipe ends among
+        them stay open here until fork_rank forks the rank or
+        close_worker_fds(rank) is called; FILE targets are the caller's own
+        fds, returned as given.
+        """
+        cdef Py_ssize_t i, count = len(specs)
+        cdef torchmp_spawn_error err
+        cdef list keep = []
+        cdef int prepared, j
+        self._ours()
+        if self.staged != NULL or self.started:
+            raise RuntimeError("worker group already prepared")
+        if count > self.nprocs:
+            raise ValueError(f"{count} specs for a group of {self.nprocs}")
+        self.staged = <torchmp_rank_spec *>calloc(count if count else 1, sizeof(torchmp_rank_spec))
+        self.fork_ns = <int64_t *>calloc(count if count else 1, sizeof(int64_t))
+        try:
+            if self.staged == NULL or self.fork_ns == NULL:
+                raise MemoryError()
+            for i in range(count):
+                for j in range(TORCHMP_CHILD_FDS):
+                    self.staged[i].args.child_fds[j] = -1
+            for i in range(count):
+                out, errspec, ret = specs[i]
+                stream_spec_fill(&self.staged[i].out, out, keep)
+                stream_spec_fill(&self.staged[i].err, errspec, keep)
+                stream_spec_fill(&self.staged[i].ret, ret, keep)
+            memset(&err, 0, sizeof(err))
+            self._enter()
+            try:
+                with nogil:
+                    prepared = torchmp_group_prepare(self.g, self.staged, <int>count, &err)
+            finally:
+                self._leave()
+            if prepared < 0:
+                check(-1, b"handing the prepare request to the I/O thread")
+            if prepared < count:
+                exc = exec_error(err.step, err.errnum, None)
+                exc.rank = prepared
+                raise exc
+        except BaseException:
+            # Nothing is left open (the loop undoes a partial prepare).
+            self._free_staging()
+            raise
+        self.nstaged = <int>count
+        for i in range(count):
+            # The prefixes in keep are copied by the loop: drop the pointers.
+            self.staged[i].out.prefix = NULL
+            self.staged[i].err.prefix = NULL
+            self.staged[i].ret.prefix = NULL
+        return [(self.staged[i].args.child_fds[1], self.staged[i].args.child_fds[2],
+                 self.staged[i].args.child_fds[3]) for i in range(count)]
+
+    def close_worker_fds(self, int rank):
+        """Close the pipe ends prepare() returned for rank (once its worker
+        has them)."""
+        if self.staged == NULL or not 0 <= rank < self.nstaged:
+            raise ValueError(f"local rank {rank} is not prepared")
+        self._close_worker_fds(rank)
+
+    def fork_rank(self, int rank, bint pdeathsig, tuple default_signals=()):
+        """fork() the calling (Python) thread for rank (after prepare),
+        through CPython's before/after-fork hooks.
+
+        Returns (0, ret_fd) in the child -- whose stdout/stderr are already
+        redirected, in its own session -- and (pid, -1) in the parent, which
+        must then adopt() the pid.  pdeathsig: arm PR_SET_PDEATHSIG (it fires
+        when the *forking thread* exits, so only ask for it from a thread
+        that outlives the workers).  default_signals: the launcher's handled
+        signals, blocked across fork and reset to SIG_DFL in the child.
+        """
+        cdef torchmp_rank_spec *spec
+        cdef torchmp_spawn_args setup
+        cdef int saved, step, j, other, ret_fd, nsigs
+        cdef int ends[TORCHMP_CHILD_FDS]
+        cdef int sigs[64]
+        cdef sigset_t blocked, old_mask, no_signals
+        cdef timespec now
+        cdef pid_t pid, parent = getpid()
+        self._ours()
+        if self.staged == NULL or not 0 <= rank < self.nstaged:
+            raise ValueError(f"local rank {rank} is not prepared")
+        if len(default_signals) > 64:
+            raise ValueError("too many signals")
+        spec = &self.staged[rank]
+        # In a Python child the return channel stays where it is: fd 3 may
+        # be something of the interpreter's.
+        setup = spec.args
+        ret_fd = setup.child_fds[TORCHMP_FD_RET]
+        setup.child_fds[TORCHMP_FD_RET] = -1
+        setup.parent_pid = parent
+        setup.pdeathsig = SIGKILL if pdeathsig else 0
+
+        for j in range(len(default_signals)):
+            sigs[j] = default_signals[j]
+        nsigs = len(default_signals)
+        # The launcher's handlers (SignalException) must not run in the child
+        # -- a SIGTERM there would unwind through the launcher's copied frames
+        # -- nor swallow a signal sent to the new worker (CPython's fork hook
+        # forgets tripped signals).  So they are blocked across fork, put
+        # back to SIG_DFL in the child at the C level, then unblocked: a
+        # SIGTERM sent meanwhile kills the child as it should.  The child
+        # starts with an empty mask, as an exec'd worker does: a launcher
+        # holding signals while it launches must not pass that on.
+        sigemptyset(&blocked)
+        for j in range(nsigs):
+            sigaddset(&blocked, sigs[j])
+        pthread_sigmask(SIG_BLOCK, &blocked, &old_mask)
+        # A handler already due runs now, not inside CPython's fork hooks
+        # (which drop what it raises, and may be left half done by it).
+        try:
+            PyErr_CheckSignals()
+        except BaseException:
+            pthread_sigmask(SIG_SETMASK, &old_mask, NULL)
+            raise
+        clock_gettime(CLOCK_MONOTONIC, &now)
+        self.fork_ns[rank] = <int64_t>now.tv_sec * 1000000000 + now.tv_nsec
+        PyOS_BeforeFork()
+        pid = fork()
+        saved = errno
+        if pid == 0:
+            torchmp_keeper_forget()
+            for j in range(nsigs):
+                c_signal(sigs[j], SIG_DFL)
+            sigemptyset(&no_signals)
+            pthread_sigmask(SIG_SETMASK, &no_signals, NULL)
+            PyOS_AfterFork_Child()
+            # The pipe ends of ranks still to be forked are not this worker's:
+            # held here they would delay those ranks' EOFs.
+            for other in range(self.nstaged):
+                if other != rank:
+                    self._close_worker_fds(other)
+            step = torchmp_child_setup(&setup, -1, 0)
+            if step != 0:
+                saved = errno
+                msg = f"torchmp: worker setup failed during {step_name(step)}: {strerror(saved).decode()}\n".encode()
+                c_write(2, PyBytes_AS_STRING(msg), PyBytes_GET_SIZE(msg))
+                _exit(127)
+            # The redirect targets now live at fds 1 and 2: our copies go by
+            # the one rule, but for the return channel, which stays where it is.
+            for j in range(TORCHMP_CHILD_FDS):
+                ends[j] = spec.args.child_fds[j]
+            ends[TORCHMP_FD_RET] = -1
+            torchmp_rank_close_worker_fds(spec, ends)
+            self.owner_pid = -1  # this group belongs to the parent
+            return 0, ret_fd
+        if pid > 0:
+            # Before anything that could run Python code: from here on an
+            # interrupted launch knows this worker (adopt_forked).
+            self.forked_pid[rank] = pid
+            self.forked_by_forkserver[rank] = False
+        PyOS_AfterFork_Parent()
+        pthread_sigmask(SIG_SETMASK, &old_mask, NULL)
+        if pid < 0:
+            raise OSError(saved, f"fork: {strerror(saved).decode()}")
+        self._close_worker_fds(rank)
+        return pid, -1
+
+    def adopt(self, list workers, bint by_forkserver):
+        """Watch started workers: (rank, pid) pairs, in one round trip.
+        by_forkserver: the pids are a forkserver's children, not ours: their
+        exits arrive as a trailer on their return channels, and they are not
+        ours to kill or reap.  If a worker cannot be watched, it and the ones
+        after it in the list are killed and reaped (unless by_forkserver) and
+        an OSError is raised with .rank set."""
+        cdef Py_ssize_t i, count = len(workers)
+        cdef int *ranks = NULL
+        cdef pid_t *pids = NULL
+        cdef int64_t *starts = NULL
+        cdef torchmp_spawn_error err
+        cdef int adopted, rank
+        self._ours()
+        if count == 0:
+            return
+        ranks = <int *>calloc(count, sizeof(int))
+        pids = <pid_t *>calloc(count, sizeof(pid_t))
+        starts = <int64_t *>calloc(count, sizeof(int64_t))
+        try:
+            if ranks == NULL or pids == NULL or starts == NULL:
+                raise MemoryError()
+            for i in range(count):
+                rank, pid = workers[i]
+                ranks[i] = rank
+                pids[i] = pid
+                # 0 (not forked here, e.g. by a forkserver): adopted now.
+                starts[i] = self.fork_ns[rank] if 0 <= rank < self.nstaged else 0
+            memset(&err, 0, sizeof(err))
+            self._enter()
+            try:
+                with nogil:
+                    adopted = torchmp_group_adopt(self.g, ranks, pids, starts, <int>count, by_forkserver, &err)
+            finally:
+                self._leave()
+            if adopted < 0:
+                check(-1, b"handing the adopt request to the I/O thread")
+            for i in range(count):
+                # Adopted, or (past a failure) killed and reaped by the loop.
+                self.forked_pid[ranks[i]] = 0
+            for i in range(adopted):
+                self.started = max(self.started, ranks[i] + 1)
+            if adopted < count:
+                exc = exec_error(err.step, err.errnum, None)
+                exc.rank = ranks[adopted]
+                raise exc
+        finally:
+            free(ranks)
+            free(pids)
+            free(starts)
+
+    def adopt_forked(self):
+        """Adopt every worker fork_rank() or forkserver_fork() started that
+        is not watched yet (an interrupted launch: so close() kills it)."""
+        cdef int rank
+        for by_forkserver in (False, True):
+            pending = [(rank, self.forked_pid[rank]) for rank in range(self.nprocs)
+                       if self.forked_pid[rank] > 0 and bool(self.forked_by_forkserver[rank]) == by_forkserver]
+            if pending:
+                self.adopt(pending, by_forkserver)
+
+    def forkserver_fork(self, int rank, int sock_fd, bytes message not None, list fds, double timeout):
+        """Send a fork request for rank to a forkserver and read its reply:
+        the worker's pid (recorded for adopt_forked before this returns), or
+        -errno of a failed fork.  OSError if the server is gone or silent."""
+        cdef int cfds[8]
+        cdef int nfds = len(fds), rc, err, j
+        cdef int64_t reply = 0
+        cdef int64_t timeout_ns = <int64_t>(timeout * 1e9)
+        cdef const char *buf = PyBytes_AS_STRING(message)
+        cdef size_t length = <size_t>PyBytes_GET_SIZE(message)
+        self._ours()
+        if not 0 <= rank < self.nprocs:
+            raise ValueError(f"local rank {rank} is out of range")
+        if nfds > 8:
+            raise ValueError("too many fds")
+        for j in range(nfds):
+            cfds[j] = fds[j]
+        self._enter()
+        try:
+            with nogil:
+                rc = torchmp_forkserver_request(sock_fd, buf, length, cfds, nfds, timeout_ns, &reply)
+                err = errno
+                if rc == 0 and reply > 0:
+                    self.forked_pid[rank] = <pid_t>reply
+                    self.forked_by_forkserver[rank] = True
+        finally:
+            self._leave()
+        if rc != 0:
+            raise OSError(err, strerror(err).decode())
+        return reply
+
+    def drop_unstarted(self):
+        """Close everything prepared for ranks that were never adopted."""
+        self._ours()
+        self._unstage()
+        self._enter()
+        try:
+            with nogil:
+                torchmp_group_drop_unstarted(self.g)
+        finally:
+            self._leave()
+
+    def take_return(self, int rank):
+        """The bytes rank wrote to its return channel so far (then forgotten)."""
+        cdef size_t n = 0
+        cdef char *data
+        if self.g == NULL:
+            raise ValueError("worker group is closed")
+        cdef char *shrunk
+        cdef CaptureBuffer buf
+        data = torchmp_group_take_ret(self.g, rank, &n)
+        if data == NULL:
+            if errno != 0:
+                raise MemoryError(f"the return value of local rank {rank} did not fit in memory")
+            return b""
+        if n == 0:  # a forkserver worker's channel held only its exit trailer
+            free(data)
+            return b""
+        # The buffer grew by doubling: give back the slack (for a large
+        # buffer glibc remaps pages rather than copying).
+        shrunk = <char *>realloc(data, n)
+        if shrunk != NULL:
+            data = shrunk
+        buf = CaptureBuffer.__new__(CaptureBuffer)
+        buf.data = data
+        buf.size = <Py_ssize_t>n
+        return buf
+
+    def version(self):
+        """The group's change counter (it moves with every recorded exit)."""
+        if self.g == NULL:
+            raise ValueError("worker group is closed")
+        return torchmp_group_snapshot(self.g, NULL, 0)
+
+    def snapshot(self):
+        """(version, [ProcInfo per rank]) taken atomically from the I/O thread."""
+        cdef torchmp_proc_info *info
+        cdef uint64_t version
+        cdef int i
+        if self.g == NULL:
+            raise ValueError("worker group is closed")
+        info = <torchmp_proc_info *>calloc(self.nprocs if self.nprocs else 1, sizeof(torchmp_proc_info))
+        if info == NULL:
+            raise MemoryError()
+        try:
+            version = torchmp_group_snapshot(self.g, info, self.nprocs)
+            make = tuple.__new__
+            cls = ProcInfo
+            ranks = [
+                make(cls, (info[i].state, info[i].pid, info[i].wait_status, info[i].start_mono_ns,
+                           info[i].exit_mono_ns, info[i].exit_real_ns, info[i].utime_ns,
+                           info[i].stime_ns, info[i].maxrss_kb, info[i].out_log_errno,
+                           info[i].err_log_errno, bool(info[i].status_lost)))
+                for i in range(self.nprocs)
+            ]
+        finally:
+            free(info)
+        return version, ranks
+
+    def stream_state(self):
+        """[(stdout_open, stderr_open, stdout_last_ns, stderr_last_ns)] per
+        rank: whether each teed pipe is still drained, and the
+        CLOCK_MONOTONIC time its last bytes came (0: none yet)."""
+        cdef torchmp_stream_state *st
+        cdef int i
+        if self.g == NULL:
+            raise ValueError("worker group is closed")
+        st = <torchmp_stream_state *>calloc(self.nprocs if self.nprocs else 1, sizeof(torchmp_stream_state))
+        if st == NULL:
+            raise MemoryError()
+        try:
+            torchmp_group_stream_state(self.g, st, self.nprocs)
+            return [(bool(st[i].open[0]), bool(st[i].open[1]), st[i].last_data_ns[0], st[i].last_data_ns[1])
+                    for i in range(self.nprocs)]
+        finally:
+            free(st)
+
+    def tail(self, int rank, int which=1, Py_ssize_t limit=1 << 20):
+        """The last bytes (at most limit) stream which (0 stdout, 1 stderr)
+        of rank carried, as kept by its spec's tail bound."""
+        cdef char *buf
+        cdef size_t n
+        if self.g == NULL:
+            raise ValueError("worker group is closed")
+        if limit <= 0:
+            return b""
+        buf = <char *>malloc(<size_t>limit)
+        if buf == NULL:
+            raise MemoryError()
+        try:
+            n = torchmp_group_tail(self.g, rank, which, buf, <size_t>limit)
+            return PyBytes_FromStringAndSize(buf, <Py_ssize_t>n)
+        finally:
+            free(buf)
+
+    def wait(self, double timeout, uint64_t known_version):
+        """Block (GIL released) until the group's change counter is no longer
+        known_version (the version of the caller's last snapshot), the group
+        is released, or timeout seconds pass (negative: forever).  Returns
+        True for a change.  Signal handlers run while waiting, so
+        SignalException can interrupt it; a handler may even close the
+        context meanwhile (the wait then returns True)."""
+        cdef int rc, err
+        cdef int watch_exits = 1
+        cdef int64_t wait_ns
+        import time
+        self._enter()
+        try:
+            deadline = None if timeout < 0 else time.monotonic() + timeout
+            while True:
+                if self.release_pending:
+                    return True
+                if deadline is None:
+                    wait_ns = -1
+                else:
+                    remaining = deadline - time.monotonic()
+                    wait_ns = <int64_t>(min(remaining, 1e9) * 1e9) if remaining > 0 else 0
+                with nogil:
+                    rc = torchmp_group_wait(self.g, wait_ns, known_version, &watch_exits)
+                    err = errno
+                if rc < 0 and err != EINTR:
+                    raise OSError(err, strerror(err).decode())
+                if rc > 0:
+                    return True
+                # A signal may have arrived while the wait did not sleep.
+                PyErr_CheckSignals()
+                if rc == 0 and (wait_ns == 0 or deadline is not None and time.monotonic() >= deadline):
+                    return False
+        finally:
+            self._leave()
+
+    def killpg(self, int sig):
+        """Send sig to the process group of every rank whose group id is
+        still pinned (its leader running, or a zombie not reaped yet)."""
+        self._ours()
+        check(torchmp_group_killpg(self.g, sig), b"killpg")
+
+    def busy(self):
+        """The ranks whose process group still has a living process: the
+        leader, or anything left in the group after the leader exited."""
+        cdef unsigned char *flags
+        cdef int i, n
+        self._ours()
+        flags = <unsigned char *>calloc(self.nprocs if self.nprocs else 1, 1)
+        if flags == NULL:
+            raise MemoryError()
+        try:
+            n = torchmp_group_busy(self.g, flags)
+            check(n, b"scanning the workers' process groups")
+            return [i for i in range(self.nprocs) if flags[i]]
+        finally:
+            free(flags)
+
+    def reap(self):
+        """torchmp is done signalling: reap every exited rank's zombie.
+        Returns the pids of forkserver workers, whose zombies the
+        forkserver holds until it is told to let them go."""
+        cdef pid_t *forkserver_pids
+        cdef int i, n
+        self._ours()
+        forkserver_pids = <pid_t *>calloc(self.nprocs if self.nprocs else 1, sizeof(pid_t))
+        if forkserver_pids == NULL:
+            raise MemoryError()
+        try:
+            n = torchmp_group_reap(self.g, forkserver_pids, self.nprocs)
+            check(n, b"reaping")
+            return [forkserver_pids[i] for i in range(n)]
+        finally:
+            free(forkserver_pids)
+
+    def finish_streams(self):
+        """Drain buffered output, flush partial lines and close every tee
+        pipe and log file of the group."""
+        self._ours()
+        self._enter()
+        try:
+            with nogil:
+                torchmp_group_finish_streams(self.g)
+        finally:
+            self._leave()

@@ -1,0 +1,114 @@
+# Included by _core.pyx (one module; the split is by topic, as the C files):
+# Python records -> C specs (rank, stream, filters) and the captured return
+# value handed back without a copy.
+
+cdef int filters_fill(torchmp_filters *n, list filters, list keep) except -1:
+    """A C view of filters (bytes kept alive by keep) for torchmp_group_new,
+    which copies them."""
+    cdef Py_ssize_t i, count = len(filters)
+    n.count = 0
+    n.data = <char **>calloc(count if count else 1, sizeof(char *))
+    n.len = <size_t *>calloc(count if count else 1, sizeof(size_t))
+    if n.data == NULL or n.len == NULL:
+        raise MemoryError()
+    for i in range(count):
+        b = filters[i]
+        if not isinstance(b, bytes):
+            raise TypeError("filters must be bytes")
+        keep.append(b)
+        n.data[i] = PyBytes_AS_STRING(b)
+        n.len[i] = <size_t>PyBytes_GET_SIZE(b)
+        n.count += 1
+    return 0
+
+
+cdef void filters_clear(torchmp_filters *n) noexcept:
+    free(n.data)
+    free(n.len)
+    n.data = NULL
+    n.len = NULL
+    n.count = 0
+
+
+cdef char **cstring_array(list items, list keep) except NULL:
+    """A NULL-terminated char* array over bytes objects kept alive by keep."""
+    cdef Py_ssize_t i, count = len(items)
+    cdef char **arr = <char **>calloc(count + 1, sizeof(char *))
+    if arr == NULL:
+        raise MemoryError()
+    try:
+        for i in range(count):
+            b = items[i]
+            if not isinstance(b, bytes):
+                raise TypeError(f"expected bytes, got {type(b).__name__}")
+            keep.append(b)
+            arr[i] = PyBytes_AS_STRING(b)
+    except BaseException:
+        free(arr)
+        raise
+    return arr
+
+
+cdef int stream_spec_fill(torchmp_stream_spec *s, object spec, list keep) except -1:
+    """A StreamSpec (or a plain tuple of its first 4 to 8 fields) -> a C
+    stream spec.  console: the launcher's fd 1 or 2, -1 for none, or a
+    QueueConsole; log_path: bytes or None; backlog: the console bound; tail:
+    how many of the last bytes to keep for Group.tail (0: none)."""
+    if not isinstance(spec, tuple) or not 4 <= len(spec) <= 8:
+        raise TypeError(f"a stream spec is a StreamSpec, got {spec!r}")
+    mode, fd, console, prefix = spec[:4]
+    s.timestamps = bool(spec[4]) if len(spec) > 4 else 0
+    log_path = spec[5] if len(spec) > 5 else None
+    s.backlog_limit = <size_t>(spec[6] if len(spec) > 6 else DEFAULT_CONSOLE_BACKLOG)
+    s.tail_bytes = <size_t>(spec[7] if len(spec) > 7 else 0)
+    s.mode = mode
+    s.fd = fd
+    s.sink = NULL
+    if isinstance(console, QueueConsole):
+        keep.append(console)
+        s.sink = (<QueueConsole>console).c
+        s.console = -1
+    else:
+        s.console = console
+    if log_path is None:
+        s.log_path = NULL
+    else:
+        keep.append(log_path)
+        s.log_path = PyBytes_AS_STRING(log_path)
+    if prefix is None:
+        s.prefix = NULL
+        s.prefix_len = 0
+    else:
+        keep.append(prefix)
+        s.prefix = PyBytes_AS_STRING(prefix)
+        s.prefix_len = <size_t>PyBytes_GET_SIZE(prefix)
+    return 0
+
+
+cdef class CaptureBuffer:
+    """Bytes the I/O thread read from a return channel, handed to Python
+    without a copy: a read-only buffer over the native memory, freed with
+    the object.  pickle.loads() reads it directly."""
+
+    cdef char *data
+    cdef Py_ssize_t size
+
+    def __dealloc__(self):
+        free(self.data)
+
+    def __len__(self):
+        return self.size
+
+    def __bytes__(self):
+        return PyBytes_FromStringAndSize(self.data, self.size)
+
+    def __getbuffer__(self, Py_buffer *view, int flags):
+        PyBuffer_FillInfo(view, self, self.data, self.size, 1, flags)
+
+    def __releasebuffer__(self, Py_buffer *view):
+        pass
+
+
+class SpawnError(OSError):
+    """Raised by Group.spawn when rank `rank` could not be started; ranks
+    [0, rank) are running and must be terminated by the caller."""
