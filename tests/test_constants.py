@@ -92,8 +92,10 @@ def test_worker_module_stays_import_light() -> None:
     code = ("import sys; import torchmp._worker; "
             "print(' '.join(sorted(m for m in sys.modules if m.startswith('torchmp'))))")
     env = dict(os.environ, PYTHONPATH=TORCHMP_PATH)
+    # cwd "/": `-c` puts the cwd first on sys.path, and a source checkout
+    # there (CI runs from one) would shadow the torchmp under test.
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         timeout=60, check=True).stdout.split()
+                         cwd="/", timeout=60, check=True).stdout.split()
     assert out == ["torchmp", "torchmp._core", "torchmp._version", "torchmp._worker"], out
 
 
