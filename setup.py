@@ -63,7 +63,7 @@ if SANITIZE:
 C_SOURCES = [
     "csrc/spawn.c", "csrc/framer.c", "csrc/console.c", "csrc/poller.c",
     "csrc/loop_streams.c", "csrc/loop_reap.c", "csrc/loop_groups.c", "csrc/loop_thread.c",
-    "csrc/keeper.c", "csrc/procscan.c",
+    "csrc/keeper.c", "csrc/procscan.c", "csrc/bind.c",
 ]
 
 extension = Extension(

@@ -51,15 +51,23 @@ cdef extern from *:
     #else
     #define TORCHMP_PORTABLE_BUILD 0
     #endif
+    #ifdef TORCHMP_HAVE_BINDING
+    #define TORCHMP_BINDING_BUILD 1
+    #else
+    #define TORCHMP_BINDING_BUILD 0
+    #endif
     """
     const char *TORCHMP_VERSION
     int TORCHMP_PORTABLE_BUILD
+    int TORCHMP_BINDING_BUILD
 
 __version__ = TORCHMP_VERSION.decode()
 # Whether collect_exit() reads a zombie's rusage without reaping it (Linux's
 # waitid system call); elsewhere rusage comes only with the reap.
 COLLECT_HAS_RUSAGE = not TORCHMP_PORTABLE_BUILD
 PORTABLE_BUILD = bool(TORCHMP_PORTABLE_BUILD)
+# Whether a worker can be bound to CPUs / memory nodes (Binding).
+HAVE_BINDING = bool(TORCHMP_BINDING_BUILD)
 
 STREAM_INHERIT = TORCHMP_STREAM_INHERIT
 STREAM_FILE = TORCHMP_STREAM_FILE
@@ -73,6 +81,8 @@ PROC_RUNNING = TORCHMP_PROC_RUNNING
 PROC_EXITED = TORCHMP_PROC_EXITED
 
 STEP_EXEC = TORCHMP_STEP_EXEC
+STEP_AFFINITY = TORCHMP_STEP_AFFINITY
+STEP_MEMPOLICY = TORCHMP_STEP_MEMPOLICY
 # Setup steps are 1 .. STEP_COUNT - 1 (0: none): a loop over them sees a new one.
 STEP_COUNT = TORCHMP_STEP__COUNT
 
@@ -138,13 +148,16 @@ def restore_fd(int std_fd, int saved_fd):
         raise OSError(err, f"restoring fd {std_fd}: {strerror(err).decode()}")
 
 
-def child_setup(int stdout_fd, int stderr_fd, bint pdeathsig, int parent_pid):
+def child_setup(int stdout_fd, int stderr_fd, bint pdeathsig, int parent_pid, binding=None):
     """In a freshly forked Python worker: new session, parent-death signal
-    (with the parent-died race checked), stdout/stderr onto the given fds.
-    Closes nothing else: the interpreter may own other fds."""
+    (with the parent-died race checked), binding (a Binding, or None),
+    stdout/stderr onto the given fds.  Closes nothing else: the interpreter
+    may own other fds."""
     cdef torchmp_spawn_args a
     cdef int step, j
+    cdef list keep = []
     memset(&a, 0, sizeof(a))
+    binding_fill(&a.binding, binding, keep)
     for j in range(TORCHMP_CHILD_FDS):
         a.child_fds[j] = -1
     a.child_fds[1] = stdout_fd
@@ -274,8 +287,19 @@ RankSpec = _collections.namedtuple("RankSpec", [
     "err",         # StreamSpec of stderr
     "ret",         # StreamSpec of the return channel (STREAM_CAPTURE, or STREAM_INHERIT: none)
     "payload_fd",  # becomes the worker's fd FD_PAYLOAD, or -1
-])
+    "binding",     # a Binding, or None: the worker runs where the launcher may
+], defaults=(None,))
 RankSpec.__module__ = __name__
+
+# Where a worker runs, applied in the child before exec (or before a forked
+# worker's function runs): sched_setaffinity to cpus, and set_mempolicy
+# (MPOL_BIND) to the nodes in mems.  An empty field leaves that setting as
+# the launcher's.
+Binding = _collections.namedtuple("Binding", [
+    "cpus",        # CPU ids (sorted tuple)
+    "mems",        # NUMA node ids (sorted tuple); () for no memory policy
+])
+Binding.__module__ = __name__
 
 cdef class QueueConsole:
     """A console whose framed lines are taken by Python (for a sys.stdout /

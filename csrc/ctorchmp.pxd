@@ -8,6 +8,8 @@ cdef extern from "torchmp.h" nogil:
     enum:
         TORCHMP_STEP_NONE
         TORCHMP_STEP_EXEC
+        TORCHMP_STEP_AFFINITY
+        TORCHMP_STEP_MEMPOLICY
         TORCHMP_STEP__COUNT
 
     ctypedef struct torchmp_spawn_error:
@@ -19,6 +21,12 @@ cdef extern from "torchmp.h" nogil:
         TORCHMP_FD_RET
         TORCHMP_FD_PAYLOAD
 
+    ctypedef struct torchmp_binding:
+        const unsigned long *cpus
+        size_t cpus_size
+        const unsigned long *mems
+        unsigned long mems_bits
+
     ctypedef struct torchmp_spawn_args:
         const char *path
         char *const *argv
@@ -28,6 +36,7 @@ cdef extern from "torchmp.h" nogil:
         int pdeathsig
         pid_t parent_pid
         long max_fd
+        torchmp_binding binding
 
     const char *torchmp_step_name(int step)
     int torchmp_child_setup(const torchmp_spawn_args *a, int keep_fd, int close_others)

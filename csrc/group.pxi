@@ -105,11 +105,12 @@ cdef class Group:
     def spawn(self, list specs):
         """Start ranks 0..len(specs)-1.
 
-        Each spec is a RankSpec(path, argv, envp, out, err, ret, payload_fd):
-        path bytes, argv/envp lists of bytes, out/err/ret StreamSpecs (ret:
-        the return channel, STREAM_CAPTURE or STREAM_INHERIT for none);
-        payload_fd (or -1) becomes the worker's fd FD_PAYLOAD.  Plain tuples
-        of the same fields work too.
+        Each spec is a RankSpec(path, argv, envp, out, err, ret, payload_fd,
+        binding): path bytes, argv/envp lists of bytes, out/err/ret
+        StreamSpecs (ret: the return channel, STREAM_CAPTURE or
+        STREAM_INHERIT for none); payload_fd (or -1) becomes the worker's fd
+        FD_PAYLOAD; binding a Binding or None.  Plain tuples of the same
+        fields work too (binding may be left out).
         Raises SpawnError (an OSError) with .rank and .step set for the first
         rank that could not be started.
         """
@@ -128,7 +129,8 @@ cdef class Group:
             raise MemoryError()
         try:
             for i in range(count):
-                path, argv, envp, out, errspec, ret, payload_fd = specs[i]
+                spec = specs[i]
+                path, argv, envp, out, errspec, ret, payload_fd = spec[:7]
                 if not isinstance(path, bytes):
                     raise TypeError("path must be bytes")
                 keep.append(path)
@@ -141,6 +143,7 @@ cdef class Group:
                 stream_spec_fill(&cspecs[i].out, out, keep)
                 stream_spec_fill(&cspecs[i].err, errspec, keep)
                 stream_spec_fill(&cspecs[i].ret, ret, keep)
+                binding_fill(&cspecs[i].args.binding, spec[7] if len(spec) > 7 else None, keep)
             memset(&err, 0, sizeof(err))
             self._enter()
             try:
@@ -252,7 +255,7 @@ cdef class Group:
             raise ValueError(f"local rank {rank} is not prepared")
         self._close_worker_fds(rank)
 
-    def fork_rank(self, int rank, bint pdeathsig, tuple default_signals=()):
+    def fork_rank(self, int rank, bint pdeathsig, tuple default_signals=(), binding=None):
         """fork() the calling (Python) thread for rank (after prepare),
         through CPython's before/after-fork hooks.
 
@@ -262,8 +265,10 @@ cdef class Group:
         when the *forking thread* exits, so only ask for it from a thread
         that outlives the workers).  default_signals: the launcher's handled
         signals, blocked across fork and reset to SIG_DFL in the child.
+        binding: a Binding (or None) applied in the child before it returns.
         """
         cdef torchmp_rank_spec *spec
+        cdef list keep = []
         cdef torchmp_spawn_args setup
         cdef int saved, step, j, other, ret_fd, nsigs
         cdef int ends[TORCHMP_CHILD_FDS]
@@ -284,6 +289,7 @@ cdef class Group:
         setup.child_fds[TORCHMP_FD_RET] = -1
         setup.parent_pid = parent
         setup.pdeathsig = SIGKILL if pdeathsig else 0
+        binding_fill(&setup.binding, binding, keep)
 
         for j in range(len(default_signals)):
             sigs[j] = default_signals[j]

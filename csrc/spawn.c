@@ -51,6 +51,8 @@ static const char *const step_names[TORCHMP_STEP__COUNT] = {
     [TORCHMP_STEP_PIDFD] = "pidfd_open",
     [TORCHMP_STEP_STREAM] = "creating the tee pipe or return channel",
     [TORCHMP_STEP_DUP_FD] = "dup2 of the return channel or payload",
+    [TORCHMP_STEP_AFFINITY] = "sched_setaffinity (CPU binding)",
+    [TORCHMP_STEP_MEMPOLICY] = "set_mempolicy (memory binding)",
 };
 
 int torchmp_pipe_cloexec(int fds[2])
@@ -166,6 +168,7 @@ static int child_close_fds(int lowest, int keep, long max_fd)
 int torchmp_child_setup(const torchmp_spawn_args *a, int keep_fd, int close_others)
 {
     int src[TORCHMP_CHILD_FDS];
+    int step;
 
     if (setsid() < 0)
         return TORCHMP_STEP_SETSID;
@@ -180,6 +183,10 @@ int torchmp_child_setup(const torchmp_spawn_args *a, int keep_fd, int close_othe
             _exit(128 + a->pdeathsig);
     }
 #endif
+
+    step = torchmp_apply_binding(&a->binding);
+    if (step != 0)
+        return step;
 
     /* A source inside the target range could be clobbered by another
      * target's dup2: move it above the range first. */

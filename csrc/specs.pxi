@@ -30,6 +30,54 @@ cdef void filters_clear(torchmp_filters *n) noexcept:
     n.count = 0
 
 
+# Bounds on the ids a mask may hold: far above any machine (Linux allows 8192
+# CPUs and 1024 nodes), far below a mask that would not fit in memory.
+cdef enum:
+    MAX_CPU_ID = 1 << 20
+    MAX_NODE_ID = 1 << 15  # the kernel refuses node masks above PAGE_SIZE * 8 bits
+
+
+cdef bytes bit_mask(object ids, Py_ssize_t limit, str what):
+    """The kernel's bitmap layout (an array of unsigned long, bit n of the
+    array set for each n in ids) in a bytes object."""
+    cdef Py_ssize_t n, top = -1, nbytes
+    cdef Py_ssize_t word_bits = 8 * sizeof(unsigned long)
+    cdef unsigned long *words
+    ids = tuple(ids)
+    for n in ids:
+        if not 0 <= n < limit:
+            raise ValueError(f"{what} {n} is out of range 0..{limit - 1}")
+        if n > top:
+            top = n
+    nbytes = (top // word_bits + 1) * <Py_ssize_t>sizeof(unsigned long)
+    mask = PyBytes_FromStringAndSize(NULL, nbytes)
+    words = <unsigned long *>PyBytes_AS_STRING(mask)
+    memset(words, 0, <size_t>nbytes)
+    for n in ids:
+        words[n // word_bits] |= (<unsigned long>1) << (n % word_bits)
+    return mask
+
+
+cdef int binding_fill(torchmp_binding *b, object binding, list keep) except -1:
+    """A Binding (cpus, mems: ids; empty leaves that setting inherited) or
+    None -> the C masks, kept alive by keep."""
+    memset(b, 0, sizeof(torchmp_binding))
+    if binding is None:
+        return 0
+    cpus, mems = binding
+    if cpus:
+        mask = bit_mask(cpus, MAX_CPU_ID, "CPU")
+        keep.append(mask)
+        b.cpus = <const unsigned long *>PyBytes_AS_STRING(mask)
+        b.cpus_size = <size_t>PyBytes_GET_SIZE(mask)
+    if mems:
+        mask = bit_mask(mems, MAX_NODE_ID, "NUMA node")
+        keep.append(mask)
+        b.mems = <const unsigned long *>PyBytes_AS_STRING(mask)
+        b.mems_bits = <unsigned long>PyBytes_GET_SIZE(mask) * 8
+    return 0
+
+
 cdef char **cstring_array(list items, list keep) except NULL:
     """A NULL-terminated char* array over bytes objects kept alive by keep."""
     cdef Py_ssize_t i, count = len(items)

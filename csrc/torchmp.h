@@ -2,6 +2,7 @@
  * torchmp native core: one header for the C files in csrc/.
  *
  *   spawn.c   fork/vfork + exec of one worker, errors back through a CLOEXEC pipe
+ *   bind.c    a worker's CPU affinity and memory policy, set in the child
  *   framer.c  per-stream line framing for the console (prefix + whole lines)
  *   console.c consoles that never block the I/O thread (bounded backlog, drops)
  *   poller.c  epoll (Linux) or poll() readiness backends behind one interface
@@ -38,6 +39,7 @@
 #define TORCHMP_HAVE_PROC_FD_DIR 1
 #define TORCHMP_HAVE_PIPE2 1
 #define TORCHMP_HAVE_PPOLL 1
+#define TORCHMP_HAVE_BINDING 1     /* sched_setaffinity, set_mempolicy */
 #endif
 
 /* ---------------------------------------------------------------------------
@@ -64,6 +66,8 @@ enum torchmp_spawn_step {
     TORCHMP_STEP_PIDFD = 11,      /* parent: pidfd_open after a good exec */
     TORCHMP_STEP_STREAM = 12,     /* parent: tee pipe or return channel for the worker */
     TORCHMP_STEP_DUP_FD = 13,     /* child: dup2 of the return channel / payload fds */
+    TORCHMP_STEP_AFFINITY = 14,   /* child: sched_setaffinity */
+    TORCHMP_STEP_MEMPOLICY = 15,  /* child: set_mempolicy */
     TORCHMP_STEP__COUNT
 };
 
@@ -80,6 +84,22 @@ typedef struct {
 #define TORCHMP_FD_RET 3
 #define TORCHMP_FD_PAYLOAD 4
 
+/* Where a worker runs, as masks built by the parent (the kernel's layout:
+ * arrays of unsigned long, bit n of the array is CPU / node n).  A NULL
+ * mask leaves that setting as inherited. */
+typedef struct {
+    const unsigned long *cpus;    /* sched_setaffinity mask */
+    size_t cpus_size;             /* bytes */
+    const unsigned long *mems;    /* set_mempolicy(MPOL_BIND) node mask */
+    unsigned long mems_bits;      /* bits in mems */
+} torchmp_binding;
+
+/* Apply b to the calling thread (the whole of a freshly forked child).
+ * Raw system calls only: async-signal-safe.  0, or the failing step
+ * (TORCHMP_STEP_AFFINITY / _MEMPOLICY) with errno set; ENOSYS where the
+ * build has no binding (TORCHMP_HAVE_BINDING unset). */
+int torchmp_apply_binding(const torchmp_binding *b);
+
 typedef struct {
     const char *path;          /* resolved executable (PATH lookup done by the caller) */
     char *const *argv;         /* NULL-terminated, built before fork */
@@ -92,6 +112,7 @@ typedef struct {
     int pdeathsig;             /* 0: none */
     pid_t parent_pid;          /* getpid() of the launcher, for the PDEATHSIG race check */
     long max_fd;               /* bound for the brute-force close fallback */
+    torchmp_binding binding;   /* CPU affinity / memory policy; zeroed: inherited */
 } torchmp_spawn_args;
 
 /* Start one worker.  0 and *pid_out on success (the child has exec'd); -1 with
@@ -121,7 +142,7 @@ const char *torchmp_step_name(int step);
 
 /* The part of the child's work that a fork()ed function worker shares with
  * an exec'd one: new session, parent-death signal (with the parent-died
- * race checked), fd plan, close the rest.  Returns the failing step (errno
+ * race checked), binding, fd plan, close the rest.  Returns the failing step (errno
  * set) or 0.  Async-signal-safe. */
 int torchmp_child_setup(const torchmp_spawn_args *a, int keep_fd, int close_others);
 

@@ -338,7 +338,7 @@ def test_bad_rank_mappings_rejected_before_start(tmp_path, args, envs, exc, need
 
 def test_other_bad_inputs(tmp_path):
     specs = DefaultLogsSpecs(log_dir=str(tmp_path / "l"))
-    with pytest.raises(NotImplementedError, match="numa"):
+    with pytest.raises(TypeError, match="numa_options must be a NumaOptions"):
         torchmp.start_processes("t", "true", {0: ()}, {0: {}}, specs, numa_options=object())
     with pytest.raises(TypeError, match="logs_specs"):
         torchmp.start_processes("t", "true", {0: ()}, {0: {}})

@@ -52,6 +52,7 @@ _EXPORTS = {
     "start_processes": "torchmp.api",
     "to_map": "torchmp.api",
     "MultiprocessContext": "torchmp._functions",
+    "NumaOptions": "torchmp.numa",
     "ProcessFailure": "torchmp.errors",
 }
 
@@ -88,3 +89,4 @@ if TYPE_CHECKING:
         to_map as to_map,
     )
     from torchmp.errors import ProcessFailure as ProcessFailure
+    from torchmp.numa import NumaOptions as NumaOptions

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from torchmp import _core
@@ -25,10 +26,13 @@ class SubprocessContext(_NativeContext):
         numa_options: Any = None,
         duplicate_stdout_filters: list[str] | None = None,
         duplicate_stderr_filters: list[str] | None = None,
+        *,
+        cpu_affinity: Mapping[int, Any] | None = None,
+        mem_bind: str | None = None,
     ) -> None:
         super().__init__(
             name, entrypoint, args, envs, logs_specs, log_line_prefixes, numa_options,
-            duplicate_stdout_filters, duplicate_stderr_filters,
+            duplicate_stdout_filters, duplicate_stderr_filters, cpu_affinity=cpu_affinity, mem_bind=mem_bind,
         )
 
     def _check_entrypoint(self, entrypoint: Any, args: dict[int, tuple[Any, ...]],

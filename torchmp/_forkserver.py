@@ -9,7 +9,7 @@ by the I/O thread).  It imports the launcher's ``__main__`` (as
 Protocol, over a Unix socket pair (the server's end is its fd 4):
 
 * request: 4-byte length, a flags byte, then a pickle of ``(env, pickle of
-  (fn, args))``,
+  (fn, args), binding)`` (binding: ``(cpus, mems)`` or None),
   with the worker's stdout, stderr and return-channel fds attached
   (SCM_RIGHTS);
 * reply: 8-byte pid (negative: -errno of a failed fork);
@@ -197,8 +197,12 @@ class ForkServer:
                         # The env apart from the function: a worker whose
                         # function cannot be unpickled still knows where its
                         # error file goes.
+                        # The binding as plain tuples: the worker applies it
+                        # in its setup, before the function is unpickled.
+                        binding = ctx._bindings.get(rank)
                         body = pickle.dumps(
-                            (env, pickle.dumps((ctx.entrypoint, ctx.args[rank]), protocol=pickle.HIGHEST_PROTOCOL)),
+                            (env, pickle.dumps((ctx.entrypoint, ctx.args[rank]), protocol=pickle.HIGHEST_PROTOCOL),
+                             None if binding is None else tuple(binding)),
                             protocol=pickle.HIGHEST_PROTOCOL)
                         fds = [fd for fd in (out_fd, err_fd) if fd >= 0] + [ret_fd]
                         flags = (out_fd >= 0) | (err_fd >= 0) << 1
@@ -378,11 +382,11 @@ def _server_child(server_pid: int, sock: socket.socket, wake_r: int, wake_w: int
             os.close(fd)
         sock.close()
         os.set_inheritable(ret_fd, False)  # the worker's own children must not hold it
-        _core.child_setup(out_fd, err_fd, True, server_pid)
+        env, call, binding = pickle.loads(body)  # bytes and tuples of ints only
+        _core.child_setup(out_fd, err_fd, True, server_pid, binding)
         for fd in (out_fd, err_fd):
             if fd > 2:
                 os.close(fd)
-        env, call = pickle.loads(body)
         os.environb.clear()
         os.environb.update(env)
         try:

@@ -36,7 +36,7 @@ import signal
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torchmp import _core, _worker
@@ -220,13 +220,16 @@ class MultiprocessContext(_NativeContext):
         numa_options: Any = None,
         duplicate_stdout_filters: list[str] | None = None,
         duplicate_stderr_filters: list[str] | None = None,
+        *,
+        cpu_affinity: Mapping[int, Any] | None = None,
+        mem_bind: str | None = None,
     ) -> None:
         if start_method not in START_METHODS:
             raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
         self.start_method = start_method
         super().__init__(
             name, entrypoint, args, envs, logs_specs, log_line_prefixes, numa_options,
-            duplicate_stdout_filters, duplicate_stderr_filters,
+            duplicate_stdout_filters, duplicate_stderr_filters, cpu_affinity=cpu_affinity, mem_bind=mem_bind,
         )
         # torch's handle on the workers (its mp.ProcessContext): a view here.
         self._pc: Any = None
@@ -313,7 +316,7 @@ class MultiprocessContext(_NativeContext):
             for rank in range(self.nprocs):
                 # fork_rank records the pid in the group before it returns, so
                 # a signal landing anywhere after the fork cannot lose it.
-                pid, ret_fd = group.fork_rank(rank, on_main_thread, launcher_signals)
+                pid, ret_fd = group.fork_rank(rank, on_main_thread, launcher_signals, self._bindings.get(rank))
                 if pid == 0:
                     sys.unraisablehook = previous_hook
                     # The child must never unwind into the launcher's frames.

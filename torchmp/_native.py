@@ -12,10 +12,10 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from torchmp import _console, _core, _oom
+from torchmp import _console, _core, _oom, _placement
 from torchmp._exec import (
     _RETURN_CHANNEL, _NO_STREAM, RankStreams, _ExecPlan, _exitcode, _open_log,
 )
@@ -68,13 +68,18 @@ class _NativeContext(PContext):
         numa_options: Any = None,
         duplicate_stdout_filters: list[str] | None = None,
         duplicate_stderr_filters: list[str] | None = None,
+        *,
+        cpu_affinity: Mapping[int, Any] | None = None,
+        mem_bind: str | None = None,
     ) -> None:
         # Every check runs before reify() creates any directory.
         name = _check_name(name)
-        if numa_options is not None:
-            raise NotImplementedError("numa_options is not supported by torchmp; pass None")
         args = _normalize_args(args)
         envs = _normalize_envs(envs, len(args))
+        # Where each rank runs (numa_options: torch's; cpu_affinity, mem_bind:
+        # torchmp's), applied in the child by the native setup.
+        self._bindings: dict[int, _core.Binding] = _placement.plan(
+            len(args), numa_options, cpu_affinity, mem_bind)
         log_line_prefixes = _check_prefixes(log_line_prefixes, len(args))
         duplicate_stdout_filters = _check_filters(duplicate_stdout_filters, "duplicate_stdout_filters")
         duplicate_stderr_filters = _check_filters(duplicate_stderr_filters, "duplicate_stderr_filters")
@@ -101,6 +106,12 @@ class _NativeContext(PContext):
         # The OOM killer's count at start, to name its kills (None: unknown).
         self._oom_watch: _oom.OomWatch | None = None
 
+    @property
+    def bindings(self) -> dict[int, _core.Binding]:
+        """torchmp extension: where each bound rank runs (its CPUs, and the
+        NUMA nodes its memory is bound to); ranks not listed are not bound."""
+        return dict(self._bindings)
+
     # -- what and how to start (subclass) -----------------------------------
     @abc.abstractmethod
     def _check_entrypoint(self, entrypoint: Any, args: dict[int, tuple[Any, ...]],
@@ -120,8 +131,9 @@ class _NativeContext(PContext):
         started, ranks < k are killed and reaped and the OSError raised."""
         specs = [
             _core.RankSpec(plan.path, plan.argv, plan.envp, out, err,
-                           _RETURN_CHANNEL if plan.return_channel else _NO_STREAM, plan.payload_fd)
-            for plan, (out, err) in zip(plans, streams, strict=True)
+                           _RETURN_CHANNEL if plan.return_channel else _NO_STREAM, plan.payload_fd,
+                           self._bindings.get(rank))
+            for rank, (plan, (out, err)) in enumerate(zip(plans, streams, strict=True))
         ]
         try:
             group.spawn(specs)

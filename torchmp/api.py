@@ -127,14 +127,17 @@ def _wrap(
 ) -> None:
     """torch's body of a function worker, run in the calling process: the
     rank's env applied to ``os.environ``, stdout/stderr redirected at the fd
-    level to the given files ("" for none), ``fn`` run under ``record``, its
-    return value put on ``ret_vals[local_rank]``, then a wait on the event.
+    level to the given files ("" for none), the process bound as
+    ``numa_options`` says (GPU ``local_rank``), ``fn`` run under ``record``,
+    its return value put on ``ret_vals[local_rank]``, then a wait on the event.
     torchmp's own workers do not go through this (see torchmp._worker)."""
     from torchmp.errors import record
     from torchmp.redirects import redirect_stderr, redirect_stdout
 
     if numa_options is not None:
-        raise NotImplementedError("numa_options is not supported by torchmp; pass None")
+        from torchmp import _placement
+
+        _placement.bind_current_process(numa_options, local_rank)
     rank_args = args[local_rank]
     rank_env = envs[local_rank]
     ret_val = ret_vals[local_rank]
@@ -166,7 +169,7 @@ def start_processes(
     logs_specs: LogsSpecs,
     log_line_prefixes: dict[int, str] | None = None,
     start_method: str = "spawn",
-    numa_options: None = None,
+    numa_options: Any = None,
     duplicate_stdout_filters: list[str] | None = None,
     duplicate_stderr_filters: list[str] | None = None,
     *,
@@ -174,6 +177,8 @@ def start_processes(
     console_backlog: int | str | None = None,
     stderr_tail: int | None = None,
     watch_stderr: bool | None = None,
+    cpu_affinity: dict[int, Any] | None = None,
+    mem_bind: str | None = None,
 ) -> PContext: ...
 
 
@@ -192,6 +197,8 @@ def start_processes(
     console_backlog: int | str | None = None,
     stderr_tail: int | None = None,
     watch_stderr: bool | None = None,
+    cpu_affinity: dict[int, Any] | None = None,
+    mem_bind: str | None = None,
 ) -> PContext: ...
 
 
@@ -233,7 +240,21 @@ def start_processes(  # type: ignore[misc]  # one body for both overloads: its 5
     ``watch_stderr=True`` routes a stderr that is neither teed nor redirected
     through torchmp too, unchanged on the console, so its tail is kept (the
     worker then writes to a pipe, not a terminal).
+
+    Placement: ``numa_options`` (torch's ``NumaOptions``, or
+    :class:`torchmp.numa.NumaOptions` without torch) binds local rank ``r``
+    to the CPUs near GPU ``r`` as torch computes them (see
+    :mod:`torchmp.numa`); the torchmp extension ``cpu_affinity={local_rank:
+    cpus}`` (a set of CPU ids or a string like ``"0-3,8"``; ranks left out
+    are not bound) binds ranks to given CPUs, on machines without GPUs too;
+    ``mem_bind="local"`` also binds each bound rank's memory to the NUMA
+    nodes of its CPUs.  The binding is set in the child before exec (or
+    before the function runs) with ``sched_setaffinity`` /
+    ``set_mempolicy``; ``ctx.bindings`` says where each rank runs.  CPUs
+    outside the launcher's own affinity, or a topology that cannot be read,
+    are an error before anything starts.
     """
+    placement = {"cpu_affinity": kwargs.pop("cpu_affinity", None), "mem_bind": kwargs.pop("mem_bind", None)}
     timestamps = bool(kwargs.pop("log_line_timestamps", False))
     console_backlog = kwargs.pop("console_backlog", None)
     stderr_tail = kwargs.pop("stderr_tail", None)
@@ -303,10 +324,10 @@ def start_processes(  # type: ignore[misc]  # one body for both overloads: its 5
 
     context: _NativeContext
     if isinstance(entrypoint, str):
-        context = SubprocessContext(name, entrypoint, args, envs, spec_obj, **extra)
+        context = SubprocessContext(name, entrypoint, args, envs, spec_obj, **extra, **placement)
     else:
         context = MultiprocessContext(
-            name, entrypoint, args, envs, start_method=start_method, logs_specs=spec_obj, **extra)
+            name, entrypoint, args, envs, start_method=start_method, logs_specs=spec_obj, **extra, **placement)
     if timestamps:
         context.log_line_timestamps = True
     if console_backlog is not None:

@@ -25,10 +25,10 @@ Programmatic use (``elastic_launch`` or a custom agent)::
     with patched():
         elastic_launch(config, entrypoint)(*args)
 
-What is not done by torchmp, and falls back to torch's own
-``start_processes`` with a warning: ``numa_options`` (``--numa-binding``),
-and Python-function entrypoints while torchmp's function launch is not
-installed.
+``--numa-binding`` (``numa_options``) binds each worker to the same CPUs
+torch would choose, set in the child before exec with
+``sched_setaffinity``, so ``numactl`` is not needed (see
+:mod:`torchmp.numa`).
 """
 
 from __future__ import annotations
@@ -61,7 +61,6 @@ class _Torch:
 
     def __init__(self) -> None:
         try:
-            import torch.distributed.elastic.multiprocessing as mp
             import torch.distributed.run as run
             from torch.distributed.elastic.agent.server import local_elastic_agent
             from torch.distributed.elastic.multiprocessing import api as mp_api
@@ -74,8 +73,6 @@ class _Torch:
         self.ProcessFailure: Any = mp_errors.ProcessFailure
         self.SignalException: Any = mp_api.SignalException
         self.RunProcsResult: Any = mp_api.RunProcsResult
-        # torch's own start_processes, before anyone patches the agent.
-        self.start_processes: Callable[..., Any] = mp.start_processes
         # Let isinstance(ctx, torch's PContext) hold for the adapter.
         mp_api.PContext.register(TorchrunContext)
 
@@ -235,24 +232,16 @@ def start_processes(
 ) -> Any:
     """torch 2.x's ``start_processes`` signature, done by torchmp.
 
-    Returns a :class:`TorchrunContext` (torch's classes out).  Falls back to
-    torch's own implementation, with a warning, for what torchmp does not do.
+    Returns a :class:`TorchrunContext` (torch's classes out).
+    ``numa_options`` (``--numa-binding``) binds each worker as torch would,
+    in the child before exec, without ``numactl``.
     """
-    t = _load_torch()
-    if numa_options is not None:
-        logger.warning("numa_options (--numa-binding) is not supported by torchmp; "
-                       "starting the workers with torch's start_processes")
-        return t.start_processes(
-            name=name, entrypoint=entrypoint, args=args, envs=envs, logs_specs=logs_specs,
-            log_line_prefixes=log_line_prefixes, start_method=start_method,
-            numa_options=numa_options, duplicate_stdout_filters=duplicate_stdout_filters,
-            duplicate_stderr_filters=duplicate_stderr_filters,
-        )
+    _load_torch()
     try:
         inner = torchmp.start_processes(
             name=name, entrypoint=entrypoint, args=args, envs=envs, logs_specs=logs_specs,
             log_line_prefixes=log_line_prefixes, start_method=start_method,
-            numa_options=None, duplicate_stdout_filters=duplicate_stdout_filters,
+            numa_options=numa_options, duplicate_stdout_filters=duplicate_stdout_filters,
             duplicate_stderr_filters=duplicate_stderr_filters,
         )
         _install_torch_signal_handlers()
