@@ -168,7 +168,6 @@ static int child_close_fds(int lowest, int keep, long max_fd)
 int torchmp_child_setup(const torchmp_spawn_args *a, int keep_fd, int close_others)
 {
     int src[TORCHMP_CHILD_FDS];
-    int step;
 
     if (setsid() < 0)
         return TORCHMP_STEP_SETSID;
@@ -183,10 +182,6 @@ int torchmp_child_setup(const torchmp_spawn_args *a, int keep_fd, int close_othe
             _exit(128 + a->pdeathsig);
     }
 #endif
-
-    step = torchmp_apply_binding(&a->binding);
-    if (step != 0)
-        return step;
 
     /* A source inside the target range could be clobbered by another
      * target's dup2: move it above the range first. */
@@ -218,7 +213,9 @@ int torchmp_child_setup(const torchmp_spawn_args *a, int keep_fd, int close_othe
         if (child_close_fds(TORCHMP_CHILD_FDS, keep_fd, a->max_fd) != 0)
             return TORCHMP_STEP_CLOSE_FDS;
     }
-    return 0;
+    /* Last, with stderr in place: a forked worker's report of a refused
+     * binding lands in its own log. */
+    return torchmp_apply_binding(&a->binding);
 }
 
 __attribute__((noreturn, noinline)) static void child_exec(const torchmp_spawn_args *a, int errpipe)

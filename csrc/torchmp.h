@@ -142,7 +142,7 @@ const char *torchmp_step_name(int step);
 
 /* The part of the child's work that a fork()ed function worker shares with
  * an exec'd one: new session, parent-death signal (with the parent-died
- * race checked), binding, fd plan, close the rest.  Returns the failing step (errno
+ * race checked), fd plan, close the rest, binding.  Returns the failing step (errno
  * set) or 0.  Async-signal-safe. */
 int torchmp_child_setup(const torchmp_spawn_args *a, int keep_fd, int close_others);
 

@@ -250,3 +250,19 @@ def echo_env_and_return(name: str) -> str:
     os.write(1, f"stdout {value}\n".encode())
     os.write(2, f"stderr {value}\n".encode())
     return value
+
+
+def placement() -> tuple[str, str, str]:
+    """Where this worker runs: (its CPUs, a new thread's CPUs, the memory
+    policy of its first mapping), as /proc says."""
+    def cpus(path: str) -> str:
+        with open(path) as f:
+            return next(line for line in f if line.startswith("Cpus_allowed_list:")).split()[1]
+
+    seen: list[str] = []
+    t = threading.Thread(target=lambda: seen.append(cpus(f"/proc/self/task/{threading.get_native_id()}/status")))
+    t.start()
+    t.join()
+    with open("/proc/self/numa_maps") as f:
+        policy = f.readline().split()[1]
+    return cpus("/proc/self/status"), seen[0], policy

@@ -447,3 +447,29 @@ def test_signal_exception_converts_to_torch(tmp_path):
     with pytest.raises(TorchSignal) as e:
         ctx.close()
     assert e.value.sigval == signal.SIGINT
+
+
+def test_numa_binding_is_honoured(launch, tmp_path):
+    # A fake topology (TORCHMP_SYSFS_ROOT) whose two NUMA nodes are this
+    # machine's first two CPUs, a GPU on each: --numa-binding node puts rank
+    # 0 on one CPU and rank 1 on the other, in torchmp's workers (PDEATHSIG),
+    # without numactl (which torch's own binding needs).
+    from fake_sysfs import like_this_host
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs 2 CPUs")
+    root = like_this_host(cpus[:2], gpu_nodes=[0, 1]).write(tmp_path / "sysfs")
+    script = write(tmp_path / "where.py", prelude=PDEATHSIG_SNIPPET, code="""
+        import os
+        print(f"local {os.environ['LOCAL_RANK']} cpus {sorted(os.sched_getaffinity(0))} pdeathsig {pdeathsig()}",
+              flush=True)
+        """)
+    argv = [*TORCHMP, "--standalone", "--nproc-per-node", "2", "--numa-binding", "node", "--tee", "1",
+            "--monitor-interval", "0.1", str(script)]
+    for visible, order in (("0,1", cpus[:2]), ("1,0", cpus[1::-1])):
+        code, out, err = run_job(launch, argv, env={"TORCHMP_SYSFS_ROOT": str(root), "CUDA_VISIBLE_DEVICES": visible})
+        assert code == 0, err
+        assert worker_lines(out) == [f"[default{r}]:local {r} cpus [{order[r]}] pdeathsig {int(signal.SIGKILL)}"
+                                     for r in (0, 1)]
+        assert "not supported by torchmp" not in err

@@ -383,12 +383,14 @@ def _server_child(server_pid: int, sock: socket.socket, wake_r: int, wake_w: int
         sock.close()
         os.set_inheritable(ret_fd, False)  # the worker's own children must not hold it
         env, call, binding = pickle.loads(body)  # bytes and tuples of ints only
+        # The rank's env first: a setup that fails (a binding the kernel
+        # refuses) is then recorded in the rank's error file.
+        os.environb.clear()
+        os.environb.update(env)
         _core.child_setup(out_fd, err_fd, True, server_pid, binding)
         for fd in (out_fd, err_fd):
             if fd > 2:
                 os.close(fd)
-        os.environb.clear()
-        os.environb.update(env)
         try:
             fn, args = pickle.loads(call)
         except Exception:
