@@ -34,7 +34,9 @@ ROW = re.compile(
 @pytest.fixture
 def torchmp_cli():
     """Start ``python -m torchmp ARGS`` (a Launcher); stopped at the end of the test."""
-    with Launchers(trailing_pathsep=True) as launchers:
+    # Not a Slurm job's: the runs must not take their shape from it.
+    unset = ["TORCHELASTIC_SIGNALS_TO_HANDLE", *(k for k in os.environ if k.startswith("SLURM_"))]
+    with Launchers(trailing_pathsep=True, unset=unset) as launchers:
         def start(*args: str, env: dict[str, str] | None = None, preamble: str | None = None) -> Launcher:
             # preamble: code run in the launcher's interpreter before the command.
             head = ["-m", "torchmp"] if preamble is None else [

@@ -162,6 +162,7 @@ def format_summary(
     exit_code: int,
     elapsed: float,
     terminated: Collection[int] = (),
+    bindings: dict[int, str] | None = None,
 ) -> str:
     """The end-of-run table, one row per local rank (``?`` where unknown).
 
@@ -169,13 +170,17 @@ def format_summary(
     the fail-fast or by the signal torchmp run got) did not, whatever its exit
     code -- a worker that exits 0 on SIGTERM was cut short, as the exit code says.
     """
-    header = ("rank", "pid", "exit", "wall", "cpu", "max rss", "")
+    header: tuple[str, ...] = ("rank", "pid", "exit", "wall", "cpu", "max rss", "")
+    # --report-bindings: where each rank ran, before the note.
+    where = () if bindings is None else ("where",)
+    header = header[:6] + where + header[6:]
     rows = []
     resources = getattr(result, "resources", {}) if result is not None else {}
     for local in range(nproc):
         usage = resources.get(local)
+        placed = () if bindings is None else (bindings.get(local, "?"),)
         if usage is None:
-            rows.append((str(global_rank(local)), "?", "?", "?", "?", "?", notes.get(local, "")))
+            rows.append((str(global_rank(local)), "?", "?", "?", "?", "?", *placed, notes.get(local, "")))
             continue
         rows.append((
             str(global_rank(local)),
@@ -184,10 +189,11 @@ def format_summary(
             f"{usage.wall_time:.3f}s",
             f"{usage.user_time + usage.system_time:.3f}s",
             _format_rss(usage.max_rss),
+            *placed,
             notes.get(local, ""),
         ))
     widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
-    left = {2, 6}  # exit and note read better left-aligned
+    left = {2, len(header) - 1} | ({6} if where else set())  # exit, where and note read better left-aligned
 
     def line(cells: Sequence[str]) -> str:
         out = [c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))]

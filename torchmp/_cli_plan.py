@@ -14,8 +14,20 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from torchmp import _console
+from torchmp import _console, _slurm
 from torchmp._inputs import stderr_tail_bound
+from torchmp._placement import (
+    AFFINITY_MODES,
+    MEM_BIND_MODES,
+    cpus_of,
+    describe as _describe_binding,
+    cores as _cores,
+    cpu_map as _cpu_map,
+    cpus_for_gpu as _cpus_for_gpu,
+    numa_nodes as _numa_nodes,
+    plan as _plan_bindings,
+)
+from torchmp._topology import BindingError, Topology
 from torchmp.logs_specs import DefaultLogsSpecs, LogsDest, Std, to_map
 from torchmp._cli_console import _say, _write_console
 
@@ -78,8 +90,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
             "stopping nothing."
         ),
     )
-    p.add_argument("-n", "--nproc", "--nproc-per-node", dest="nproc", type=int, required=True,
-                   metavar="N", help="number of copies (local ranks) to start on this host")
+    p.add_argument("-n", "--nproc", "--nproc-per-node", dest="nproc", type=int, default=None,
+                   metavar="N", help="number of copies (local ranks) to start on this host (required, "
+                                     "except in a Slurm job that sets SLURM_GPUS_ON_NODE or "
+                                     "SLURM_NTASKS_PER_NODE)")
     p.add_argument("--name", default=None,
                    help="the job's name, used in prefixes and the failure report "
                         "(default: the command's base name)")
@@ -136,17 +150,39 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="when torchmp run gets a signal, how long the workers get to exit "
                         "after it is passed on to them, before SIGKILL (default: 30; the "
                         "fail-fast shutdown after a rank fails always allows 30)")
-    p.add_argument("--nnodes", type=int, default=1,
-                   help="number of hosts in the job (default: 1); each host runs its own "
-                        "torchmp run with the same --master-addr/--master-port")
-    p.add_argument("--node-rank", type=int, default=0,
-                   help="this host's index in 0..nnodes-1 (default: 0); "
+    p.add_argument("--nnodes", type=int, default=None,
+                   help="number of hosts in the job (default: 1, or $SLURM_NNODES in a Slurm job); "
+                        "each host runs its own torchmp run with the same "
+                        "--master-addr/--master-port")
+    p.add_argument("--node-rank", type=int, default=None,
+                   help="this host's index in 0..nnodes-1 (default: 0, or $SLURM_NODEID); "
                         "RANK = node_rank * N + LOCAL_RANK")
     p.add_argument("--master-addr", default=None,
-                   help="MASTER_ADDR for the ranks (default: 127.0.0.1; required if --nnodes > 1)")
+                   help="MASTER_ADDR for the ranks (default: 127.0.0.1, or the first host of the "
+                        "Slurm job's node list; required if --nnodes > 1)")
     p.add_argument("--master-port", type=int, default=None,
-                   help="MASTER_PORT for the ranks (default: a free port on 127.0.0.1; "
-                        "required if --nnodes > 1)")
+                   help="MASTER_PORT for the ranks (default: a free port on 127.0.0.1, or one "
+                        "derived from $SLURM_JOB_ID; required if --nnodes > 1)")
+    p.add_argument("--no-slurm", dest="slurm", action="store_false",
+                   help="ignore the Slurm job this runs in: take nothing from SLURM_* variables "
+                        "(by default, inside a job ($SLURM_JOB_ID) and when none of --nnodes, "
+                        "--node-rank, --master-addr, --master-port is given, they come from the "
+                        "job, and -n from $SLURM_GPUS_ON_NODE or $SLURM_NTASKS_PER_NODE)")
+    p.add_argument("--cpu-bind", default=None, metavar="MODE",
+                   help="bind each rank to CPUs (srun's spelling): none; cores (the allowed "
+                        "physical cores split evenly among the ranks); numa (each rank on one "
+                        "NUMA node's CPUs, ranks spread over the nodes in blocks; srun's ldoms); "
+                        "map:LIST (rank i on the i-th CPU of LIST, e.g. map:0,4,8,12; srun's "
+                        "map_cpu:LIST); a leading 'verbose,' also reports the bindings")
+    p.add_argument("--numa-binding", default=None, choices=AFFINITY_MODES,
+                   help="bind local rank i to the CPUs near GPU i, as torchrun --numa-binding "
+                        "does (GPUs found in sysfs; CUDA_VISIBLE_DEVICES honoured)")
+    p.add_argument("--mem-bind", default=None, choices=MEM_BIND_MODES,
+                   help="local: also bind each rank's memory to the NUMA nodes of its CPUs "
+                        "(srun's spelling; needs --cpu-bind or --numa-binding)")
+    p.add_argument("--report-bindings", action="store_true",
+                   help="say where each rank runs (the CPUs the kernel lets it use) when it "
+                        "starts, and in the summary (mpirun's name)")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND",
                    help="the program to run and its arguments (after '--')")
     return p
@@ -258,6 +294,69 @@ def _free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def parse_cpu_bind(text: str) -> tuple[str, str, bool]:
+    """``--cpu-bind``'s value -> (mode, map list, verbose); srun's names
+    (``map_cpu:``, ``ldoms``, ``verbose,``/``quiet,`` prefixes) are accepted."""
+    verbose = False
+    rest = text.strip()
+    while True:
+        head, sep, tail = rest.partition(",")
+        if sep and head in ("verbose", "v", "quiet", "q"):
+            verbose = head in ("verbose", "v")
+            rest = tail
+            continue
+        break
+    if rest in ("verbose", "v"):
+        return "none", "", True
+    mode, colon, listed = rest.partition(":")
+    mode = {"map_cpu": "map", "ldoms": "numa", "no": "none"}.get(mode, mode)
+    if mode == "map" and colon and listed:
+        return "map", listed, verbose
+    if mode in ("none", "cores", "numa") and not colon:
+        return mode, "", verbose
+    raise _UsageError(
+        f"--cpu-bind: unknown mode {text!r}; the modes are none, cores, numa, map:LIST "
+        "(srun's map_cpu:LIST and ldoms too, after an optional 'verbose,')")
+
+
+def _placement(args: argparse.Namespace, nproc: int) -> tuple[dict[int, frozenset[int]] | None, bool]:
+    """(each rank's CPUs, or None for no binding; verbose) from --cpu-bind /
+    --numa-binding, checked against this machine."""
+    mode, listed, verbose = parse_cpu_bind(args.cpu_bind) if args.cpu_bind is not None else ("none", "", False)
+    if args.numa_binding is not None and mode != "none":
+        raise _UsageError("--cpu-bind and --numa-binding both say where ranks run: give one of them")
+    if mode == "none" and args.numa_binding is None:
+        if args.mem_bind == "local":
+            raise _UsageError("--mem-bind local binds memory near a rank's CPUs: it needs "
+                              "--cpu-bind or --numa-binding")
+        return None, verbose
+    option = "--numa-binding" if args.numa_binding is not None else "--cpu-bind"
+    try:
+        topo = Topology()
+        if args.numa_binding is not None:
+            cpus = {rank: _cpus_for_gpu(topo, args.numa_binding, rank) for rank in range(nproc)}
+        elif mode == "cores":
+            cpus = _cores(topo, nproc)
+        elif mode == "numa":
+            cpus = _numa_nodes(topo, nproc)
+        else:
+            cpus = _cpu_map(listed, nproc, topo.allowed_cpus)
+        # The same checks start_processes makes (CPUs allowed, memory nodes),
+        # here so that a bad option is a usage error.
+        _plan_bindings(nproc, cpu_affinity=cpus, mem_bind=args.mem_bind, topology=topo)
+    except (ValueError, TypeError, BindingError, NotImplementedError) as e:
+        raise _UsageError(f"{option}: {e}") from None
+    return cpus, verbose
+
+
+def where_ranks_run(ctx: Any) -> dict[int, str]:
+    """--report-bindings: each started local rank's CPUs as the kernel has
+    them (read right after the launch), and its memory binding."""
+    bindings = getattr(ctx, "bindings", {})
+    return {local: _describe_binding(bindings.get(local), cpus_of(pid))
+            for local, pid in sorted(ctx.pids().items())}
+
+
 class _Plan:
     """Everything a launch needs, checked before anything starts."""
 
@@ -265,6 +364,25 @@ class _Plan:
         if not command:
             raise _UsageError("no command given (put it after '--', e.g. "
                               f"{PROG} -n 2 -- python train.py)")
+        rendezvous_given = any(v is not None for v in (args.nnodes, args.node_rank, args.master_addr,
+                                                       args.master_port))
+        try:
+            alloc = (_slurm.allocation(os.environ, rendezvous=not rendezvous_given, nproc=args.nproc is None)
+                     if args.slurm else None)
+        except _slurm.SlurmError as e:
+            raise _UsageError(f"Slurm: {e} (or --no-slurm to ignore the job)") from None
+        #: What came from the Slurm job, said before the launch ("" for nothing).
+        self.slurm_note = alloc.describe() if alloc is not None else ""
+        if alloc is not None:
+            for option in ("nproc", "nnodes", "node_rank", "master_addr", "master_port"):
+                if getattr(args, option) is None:
+                    setattr(args, option, getattr(alloc, option))
+        if args.nproc is None:
+            raise _UsageError("the following arguments are required: -n/--nproc")
+        if args.nnodes is None:
+            args.nnodes = 1
+        if args.node_rank is None:
+            args.node_rank = 0
         if args.nproc < 1:
             raise _UsageError(f"-n/--nproc must be at least 1, got {args.nproc}")
         if args.nnodes < 1:
@@ -277,6 +395,10 @@ class _Plan:
                               "(the same on every host)")
         if args.master_port is not None and not 0 < args.master_port < 65536:
             raise _UsageError(f"--master-port must be in 1..65535, got {args.master_port}")
+        #: Each rank's CPUs (None: no binding), and whether to say where ranks run.
+        self.cpu_affinity, verbose = _placement(args, args.nproc)
+        self.mem_bind: str | None = args.mem_bind
+        self.report_bindings: bool = args.report_bindings or verbose
         if not args.shutdown_timeout >= 0:
             raise _UsageError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
         if args.hang_report_after is not None and not 0 < args.hang_report_after < float("inf"):

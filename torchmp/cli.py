@@ -91,6 +91,7 @@ from torchmp._cli_plan import (
     _split_command,
     _UsageError,
     build_parser,
+    where_ranks_run,
 )
 
 __all__ = ["build_parser", "main"]
@@ -194,6 +195,8 @@ class _Run:
         self._redelivery_pending = False
         self._redelivery_delay = _REDELIVERY_FIRST
         self._py_spy_hint = True
+        #: Where each local rank runs, for --report-bindings (else empty).
+        self.bindings: dict[int, str] = {}
 
     def launch(self) -> None:
         plan = self.plan
@@ -212,6 +215,8 @@ class _Run:
         extra: dict[str, Any] = {"console_backlog": plan.console_backlog, "stderr_tail": plan.stderr_tail}
         if plan.timestamps:
             extra["log_line_timestamps"] = True
+        if plan.cpu_affinity is not None:
+            extra.update(cpu_affinity=plan.cpu_affinity, mem_bind=plan.mem_bind)
         self.started = self.hang.started = time.monotonic()
         # A signal raised inside start_processes would reach the handlers
         # before self.ctx is set: start_processes would then tear the workers
@@ -232,6 +237,10 @@ class _Run:
             )
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED_SIGNALS)
+        if plan.report_bindings:
+            self.bindings = where_ranks_run(self.ctx)
+            for local, text in self.bindings.items():
+                _say(f"rank {plan.global_rank(local)} (pid {self.ctx.pids().get(local, '?')}) {text}")
 
     # -- hang reports -------------------------------------------------------
     def install_report_handler(self) -> None:
@@ -420,7 +429,7 @@ class _Run:
             _write_console(sys.stderr, format_summary(
                 self.plan.name, self.plan.nproc, self.plan.global_rank, self.result,
                 self.notes(), self.exit_code(), elapsed,
-                self.terminated()))
+                self.terminated(), self.bindings or None))
 
 
 def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
@@ -457,6 +466,8 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
         _say(f"error: cannot run {plan.command[0]!r}: {e.strerror or e}")
         return 127 if isinstance(e, FileNotFoundError) else 126
 
+    if plan.slurm_note:
+        _say(plan.slurm_note)
     _configure_logging()
     run = _Run(plan)
     _install_handlers()  # before the first worker exists
