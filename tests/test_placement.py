@@ -20,6 +20,9 @@ from torchmp.numa import AffinityMode, NumaOptions
 
 MODES = ("node", "socket", "exclusive", "core-complex")
 
+#: plan() refuses to plan a binding the build cannot apply.
+needs_binding = pytest.mark.skipif(not _core.HAVE_BINDING, reason="a build without binding (TORCHMP_PORTABLE)")
+
 
 def topo_of(machine: Machine, tmp_path: Path, allowed=None, environ=None) -> Topology:
     root = machine.write(tmp_path / "root")
@@ -369,6 +372,7 @@ def test_cpu_map():
 # plan(): the options start_processes takes
 
 
+@needs_binding
 def test_plan_numa_options_torchmp_torch_and_duck_typed(tmp_path):
     topo = topo_of(two_sockets(), tmp_path)
     expected = {r: _core.Binding(tuple(sorted(topo.allowed_node_cpus(r))), ()) for r in range(4)}
@@ -380,6 +384,7 @@ def test_plan_numa_options_torchmp_torch_and_duck_typed(tmp_path):
     assert _placement.plan(4, torch_options, topology=topo) == expected
 
 
+@needs_binding
 def test_plan_falls_back_per_rank_when_asked(tmp_path, caplog):
     topo = topo_of(two_sockets(), tmp_path, environ={"CUDA_VISIBLE_DEVICES": "0"})
     with pytest.raises(BindingError, match="local rank 1"):
@@ -392,6 +397,7 @@ def test_plan_falls_back_per_rank_when_asked(tmp_path, caplog):
         in caplog.text
 
 
+@needs_binding
 @pytest.mark.parametrize("kwargs, exc, needle", [
     ({"numa_options": object()}, TypeError, "numa_options must be a NumaOptions"),
     ({"numa_options": types.SimpleNamespace(affinity_mode="rack")}, ValueError, "affinity_mode must be one of"),
@@ -416,6 +422,7 @@ def test_plan_bad_options(tmp_path, kwargs, exc, needle):
         _placement.plan(2, topology=topo, **kwargs)
 
 
+@needs_binding
 def test_plan_cpu_affinity_and_local_memory(tmp_path):
     machine = two_sockets()
     topo = topo_of(machine, tmp_path)
@@ -429,6 +436,14 @@ def test_plan_cpu_affinity_and_local_memory(tmp_path):
     topo = topo_of(machine, tmp_path / "b")
     with pytest.raises(BindingError, match=r"local rank 0's CPUs 0-1 are on NUMA node\(s\) 0, none of which"):
         _placement.plan(1, cpu_affinity={0: "0-1"}, mem_bind="local", topology=topo)
+
+
+@pytest.mark.skipif(_core.HAVE_BINDING, reason="this build can bind")
+def test_plan_without_binding_support_says_so(tmp_path):
+    topo = topo_of(two_sockets(), tmp_path)
+    assert _placement.plan(2, topology=topo) == {}
+    with pytest.raises(NotImplementedError, match="CPU binding needs sched_setaffinity"):
+        _placement.plan(2, cpu_affinity={0: {0}}, topology=topo)
 
 
 def test_describe():
