@@ -319,7 +319,7 @@ def parse_cpu_bind(text: str) -> tuple[str, str, bool]:
         "(srun's map_cpu:LIST and ldoms too, after an optional 'verbose,')")
 
 
-def _placement(args: argparse.Namespace, nproc: int) -> tuple[dict[int, frozenset[int]] | None, bool]:
+def _rank_cpus(args: argparse.Namespace, nproc: int) -> tuple[dict[int, frozenset[int]] | None, bool]:
     """(each rank's CPUs, or None for no binding; verbose) from --cpu-bind /
     --numa-binding, checked against this machine."""
     mode, listed, verbose = parse_cpu_bind(args.cpu_bind) if args.cpu_bind is not None else ("none", "", False)
@@ -396,7 +396,7 @@ class _Plan:
         if args.master_port is not None and not 0 < args.master_port < 65536:
             raise _UsageError(f"--master-port must be in 1..65535, got {args.master_port}")
         #: Each rank's CPUs (None: no binding), and whether to say where ranks run.
-        self.cpu_affinity, verbose = _placement(args, args.nproc)
+        self.cpu_affinity, verbose = _rank_cpus(args, args.nproc)
         self.mem_bind: str | None = args.mem_bind
         self.report_bindings: bool = args.report_bindings or verbose
         if not args.shutdown_timeout >= 0:
