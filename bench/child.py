@@ -35,6 +35,18 @@ def _snapshot():
     }
 
 
+def _check_subject(why):
+    """This launcher must measure the torchmp the bench chose (bench/subject.py), or fail."""
+    from bench import subject
+    from bench.impls import torchmp_module
+
+    if why is not None:
+        raise subject.SubjectMissing(f"the subject is missing in the child launcher: {why}")
+    home = os.environ.get(subject.HOME_VAR)
+    if torchmp_module() == "torchmp" and home:
+        subject.check_imported(sys.modules["torchmp"], os.path.realpath(os.path.join(home, "torchmp")))
+
+
 def main(argv):
     with open(argv[1]) as f:
         spec = json.load(f)
@@ -58,6 +70,8 @@ def main(argv):
 
     impl = impls.make(spec["impl"])
     why = impl.check()
+    if spec["impl"] == "torchmp":
+        _check_subject(why)
     if why is not None:
         result["unavailable"] = why
         save()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import datetime
 import os
@@ -12,7 +13,7 @@ import sys
 import tempfile
 import time
 
-from bench import report, scenarios
+from bench import report, scenarios, subject
 from bench.common import REPO_ROOT, Ctx, git_info, machine_info, set_child_subreaper
 from bench.impls import ALL_IMPLS, TORCH_MODULE, resolve, torchmp_module
 
@@ -40,6 +41,9 @@ def parse(argv):
                    help="where to write the PNG chart (default docs/bench.png; needs matplotlib)")
     p.add_argument("--keep-tmp", action="store_true", help="keep the temporary directory")
     p.add_argument("--list", action="store_true", help="list scenarios and implementations, then exit")
+    p.add_argument("--subject", action="store_true",
+                   help="print which torchmp would be measured (path, version, compiled core) and exit; "
+                        "exit status 2 if there is none")
     p.add_argument("--report", metavar="JSON", default=None,
                    help="measure nothing: print the table and draw the chart from a saved JSON file")
     a = p.parse_args(argv)
@@ -73,6 +77,18 @@ def main(argv=None) -> int:
     only = a.only or scenarios.ORDER
     order = [s for s in scenarios.ORDER if s in only]
     names = [i for i in ALL_IMPLS if i in (a.impl or ALL_IMPLS)]
+    subj = None
+    if "torchmp" in names or a.subject:
+        # The subject must be there before anything is measured: never a table without it.
+        try:
+            subj = subject.resolve(torchmp_module())
+        except subject.SubjectMissing as e:
+            log(f"bench: refusing to run: {e}")
+            return 2
+        log(f"bench: measuring {subj.describe()}")
+    if a.subject:
+        print(subj.describe())
+        return 0
     set_child_subreaper()
     signal.signal(signal.SIGTERM, _terminate)  # clean up like ^C does
 
@@ -81,6 +97,9 @@ def main(argv=None) -> int:
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     log(f"bench: {'quick' if a.quick else 'full'} run, scenarios {','.join(order)}")
     impls, unavailable = resolve(names)
+    if "torchmp" in unavailable:
+        log(f"bench: refusing to run: {subj.describe() if subj else 'torchmp'}: {unavailable['torchmp']}")
+        return 2
     versions = {n: impls[n].version() for n in impls}
     for n in names:
         if n in impls:
@@ -120,6 +139,7 @@ def main(argv=None) -> int:
         "git": git_info(),
         "versions": {"python": mach["python"], **{n: versions.get(n) for n in names},
                      "torchmp_module": tm_mod, "torch_module": TORCH_MODULE},
+        "subject": dataclasses.asdict(subj) if subj else None,
         "impls": {n: ({"available": True, "version": versions[n]} if n in impls
                       else {"available": False, "reason": unavailable[n]}) for n in names},
         "scenarios": report.to_json(results, names),
@@ -152,6 +172,10 @@ def render(doc, results, chart_path) -> None:
         f"{_load(mach.get('loadavg_at_end'))} at end",
         "versions: " + ", ".join(f"{n} {versions.get(n) or 'unavailable'}" for n in names),
     ]
+    subj = doc.get("subject")
+    if subj:
+        core = f", core {subj['core']}" if subj.get("core") else ""
+        header.append(f"measured: {subj['module']} {subj['version']} from {subj['path']}{core}")
     tm_mod = doc["versions"].get("torchmp_module")
     if tm_mod and tm_mod != "torchmp":
         header.append(f"NOTE: the torchmp column is {tm_mod} (BENCH_TORCHMP_MODULE)")

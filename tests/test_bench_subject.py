@@ -1,0 +1,78 @@
+"""The bench measures the torchmp under test, or refuses to run (issue 22).
+
+``python -m bench`` from a checkout whose torchmp/ has no compiled core (the
+state after ``pip install .``) used to mark torchmp UNAVAILABLE and go on
+measuring the others.  These tests run the bench's command line only as far
+as choosing its subject: no benchmark runs.  They need the repository's
+bench/ package (a source tree or an unpacked sdist) and skip without it.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import torchmp
+
+REPO = Path(__file__).resolve().parent.parent
+SUBJECT_DIR = Path(torchmp.__file__).resolve().parent  # the torchmp these tests run against
+
+pytestmark = pytest.mark.skipif(not (REPO / "bench" / "__main__.py").is_file(), reason="no bench/ beside tests/")
+
+
+def _coreless_copy(dest: Path) -> Path:
+    """torchmp's Python files without the compiled core: an unbuilt source tree."""
+    pkg = dest / "torchmp"
+    shutil.copytree(SUBJECT_DIR, pkg, ignore=shutil.ignore_patterns("_core.*.so", "_core.*.pyd", "__pycache__"))
+    assert not list(pkg.glob("_core.*.so"))
+    return pkg
+
+
+def _bench(args: list[str], cwd: Path, pythonpath: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BENCH_")}
+    env["PYTHONPATH"] = pythonpath
+    return subprocess.run([sys.executable, "-m", "bench", *args], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_bench_refuses_a_torchmp_without_its_compiled_core(tmp_path: Path) -> None:
+    pkg = _coreless_copy(tmp_path / "src")
+    out_json = tmp_path / "bench.json"
+    # bench/ from the repository (the cwd), torchmp from PYTHONPATH: the unbuilt copy comes first,
+    # and an installed torchmp further down must not be measured in its place.
+    r = _bench(["--only", "launch", "--impl", "torchmp,floor", "--json", str(out_json),
+                "--chart", str(tmp_path / "bench.png")], cwd=REPO, pythonpath=str(tmp_path / "src"))
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert f"refusing to run: the torchmp at {pkg} has no compiled core" in r.stderr, r.stderr
+    assert "build_ext --inplace" in r.stderr and "pip install ." in r.stderr, r.stderr
+    assert "[launch]" not in r.stderr and r.stdout == "", (r.stdout, r.stderr)  # nothing was measured
+    assert not out_json.exists() and not (tmp_path / "bench.png").exists()
+
+
+def test_bench_skips_the_unbuilt_checkout_it_runs_from(tmp_path: Path) -> None:
+    # The state after `pip install .`: the cwd holds bench/ and a torchmp/ without a core; the
+    # subject is the torchmp on PYTHONPATH (here: the one under test), not the cwd's copy.
+    checkout = tmp_path / "checkout"
+    _coreless_copy(checkout)
+    shutil.copytree(REPO / "bench", checkout / "bench", ignore=shutil.ignore_patterns("__pycache__"))
+    r = _bench(["--subject"], cwd=checkout, pythonpath=str(SUBJECT_DIR.parent))
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert r.stdout.startswith(f"torchmp {torchmp.__version__} from {SUBJECT_DIR}, core {SUBJECT_DIR}/_core."), r.stdout
+
+
+def test_bench_subject_search_names_what_is_missing(tmp_path: Path) -> None:
+    sys.path.insert(0, str(REPO))
+    try:
+        from bench import subject
+    finally:
+        sys.path.remove(str(REPO))
+    with pytest.raises(subject.SubjectMissing, match="torchmp is not installed and not on PYTHONPATH"):
+        subject.locate([str(tmp_path)])
+    pkg = _coreless_copy(tmp_path / "src")
+    with pytest.raises(subject.SubjectMissing, match=f"the torchmp at {pkg} has no compiled core"):
+        subject.locate([str(tmp_path / "src"), str(SUBJECT_DIR.parent)])
+    assert subject.locate([str(SUBJECT_DIR.parent)]) == str(SUBJECT_DIR)
