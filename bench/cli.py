@@ -46,6 +46,11 @@ def parse(argv):
                         "exit status 2 if there is none")
     p.add_argument("--report", metavar="JSON", default=None,
                    help="measure nothing: print the table and draw the chart from a saved JSON file")
+    p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), default=None,
+                   help="measure nothing: how far two saved runs are apart, per median and per ratio "
+                        "(--only/--impl filter; --tolerance marks the cells beyond it)")
+    p.add_argument("--tolerance", type=float, default=0.10, metavar="FRACTION",
+                   help="for --compare: mark changes beyond this fraction (default 0.10)")
     a = p.parse_args(argv)
     for s in a.only or []:
         if s not in scenarios.ORDER:
@@ -64,6 +69,14 @@ def log(msg: str) -> None:
 
 def main(argv=None) -> int:
     a = parse(argv)
+    if a.compare:
+        docs = []
+        for path in a.compare:
+            with open(path) as f:
+                docs.append(json.load(f))
+        text, _marked = report.compare(docs[0], docs[1], a.only, a.impl, a.tolerance)
+        print(text)
+        return 0
     if a.report:
         with open(a.report) as f:
             doc = json.load(f)

@@ -176,8 +176,15 @@ def _status_cell(impl, res: Result, unavailable: dict[str, str]) -> str | None:
     return None
 
 
+def fspread(vals: list[float] | None) -> str:
+    """min..max of the samples behind a cell ('' for fewer than two)."""
+    if not vals or len(vals) < 2:
+        return ""
+    return f"{fnum(min(vals))}..{fnum(max(vals))}"
+
+
 def table(results: dict[str, Result], impls: list[str], unavailable: dict[str, str]) -> str:
-    w0, w = 30, 12
+    w0, w = 30, 14
     lines = []
     for res in results.values():
         lines.append("")
@@ -194,6 +201,12 @@ def table(results: dict[str, Result], impls: list[str], unavailable: dict[str, s
                     st = fnum(v) if v is not None else ("error" if i in res.errors else "-")
                 cells.append(st)
             lines.append(f"{label[:w0 - 1]:<{w0}}" + "".join(f"{c:>{w}}" for c in cells))
+            # The spread behind each figure: a median is only as good as the samples around it.
+            counts = sorted({len(m.values[i]) for i in impls if len(m.values.get(i) or ()) > 1})
+            if counts:
+                n = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+                cells = [fspread(m.values.get(i)) for i in impls]
+                lines.append(f"{'  min..max of ' + n:<{w0}}" + "".join(f"{c:>{w}}" for c in cells))
             if m.better == "info":
                 continue
             for b in BASELINES:
@@ -375,3 +388,58 @@ def load_json(doc: dict[str, Any]) -> dict[str, Result]:
                 m.values[impl] = list(d.get("samples", []))
         out[name] = res
     return out
+
+
+# --------------------------------------------------------------------------- two runs
+
+
+def _rel(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or a == 0 else b / a - 1
+
+
+def compare(doc_a: dict[str, Any], doc_b: dict[str, Any], only: list[str] | None, impls: list[str] | None,
+            tolerance: float = 0.10) -> tuple[str, int]:
+    """How far two runs' figures are apart: each median and each ratio to a baseline (for
+    "diff" metrics the difference to it), run A -> run B, relative change; cells whose change
+    exceeds ``tolerance`` are marked ``!``.  Returns (text, number of marked cells)."""
+    ra, rb = load_json(doc_a), load_json(doc_b)
+    lines = [f"A: {doc_a.get('date')} {doc_a.get('mode')} run ({doc_a.get('total_s')}s)",
+             f"B: {doc_b.get('date')} {doc_b.get('mode')} run ({doc_b.get('total_s')}s)",
+             f"change = B/A - 1; '!' marks a change beyond {tolerance:.0%}"]
+    marked = 0
+
+    def cell(a: float | None, b: float | None, fmt: Callable[[float | None], str]) -> str:
+        nonlocal marked
+        r = _rel(a, b)
+        flag = "!" if r is not None and abs(r) > tolerance else " "
+        marked += flag == "!"
+        ch = "" if r is None else f"{r:+.1%}"
+        return f"{fmt(a):>9} {fmt(b):>9} {ch:>7}{flag}"
+
+    for name, res_a in ra.items():
+        res_b = rb.get(name)
+        if res_b is None or (only and name not in only):
+            continue
+        lines += ["", f"== {name} ==", f"{'':<34}{'value A':>9} {'value B':>9} {'change':>8}"
+                  + "".join(f" {b + ' A':>9} {b + ' B':>9} {'change':>8}" for b in BASELINES)]
+        for key, ma in res_a.metrics.items():
+            mb = res_b.metrics.get(key)
+            if mb is None or ma.better == "info":
+                continue
+            for impl in ma.values:
+                if impls and impl not in impls:
+                    continue
+                row = f"{(ma.label + ' ' + impl)[:33]:<34}" + cell(ma.reduce(impl), mb.reduce(impl), fnum)
+                for b in BASELINES:
+                    ba, bb = ma.reduce(b), mb.reduce(b)
+                    va, vb = ma.reduce(impl), mb.reduce(impl)
+                    if b == impl or None in (ba, bb, va, vb):
+                        row += " " * 28
+                    elif ma.compare == "diff":
+                        row += " " + cell(va - ba, vb - bb, lambda v: "-" if v is None else f"{v:+.3f}")  # type: ignore[operator]
+                    else:
+                        row += " " + cell(ratio(va, ba), ratio(vb, bb), fratio)
+                lines.append(row.rstrip())
+    lines.append("")
+    lines.append(f"{marked} cell(s) changed by more than {tolerance:.0%}")
+    return "\n".join(lines), marked
