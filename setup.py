@@ -6,6 +6,7 @@ Knobs (environment variables):
   TORCHMP_PORTABLE=1  build without epoll, pidfd, eventfd, prctl, close_range
                       and vfork: the paths other POSIX systems take
   TORCHMP_SANITIZE=1  AddressSanitizer + UndefinedBehaviorSanitizer
+  TORCHMP_COVERAGE=1  gcov line counters (-O0), for .ci/coverage
 
 There is no pure-Python fallback: if the extension cannot be built, the
 install fails.
@@ -40,6 +41,7 @@ VERSION = _version()
 DEBUG = _flag("TORCHMP_DEBUG")
 PORTABLE = _flag("TORCHMP_PORTABLE")
 SANITIZE = _flag("TORCHMP_SANITIZE")
+COVERAGE = _flag("TORCHMP_COVERAGE")
 
 define_macros = [("TORCHMP_VERSION", '"%s"' % VERSION)]
 undef_macros = []
@@ -59,6 +61,14 @@ if PORTABLE:
 if SANITIZE:
     compile_args += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g"]
     link_args += ["-fsanitize=address,undefined"]
+if COVERAGE:
+    # -fno-builtin-execve: gcc would otherwise route execve through a wrapper
+    # that writes the counters and marks them written, which from a vfork
+    # child (sharing the launcher's memory) stops the launcher's own counters
+    # from ever being written.  Atomic updates: the I/O thread counts too.
+    compile_args += ["--coverage", "-O0", "-fno-builtin-execve", "-fprofile-update=prefer-atomic"]
+    link_args += ["--coverage"]
+    define_macros.append(("TORCHMP_COVERAGE", "1"))
 
 C_SOURCES = [
     "csrc/spawn.c", "csrc/framer.c", "csrc/console.c", "csrc/poller.c",
@@ -85,6 +95,6 @@ setup(
         compiler_directives=directives,
         annotate=_flag("TORCHMP_ANNOTATE"),
         include_path=["csrc"],
-        force=DEBUG or PORTABLE or SANITIZE,
+        force=DEBUG or PORTABLE or SANITIZE or COVERAGE,
     ),
 )

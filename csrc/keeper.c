@@ -104,6 +104,7 @@ static void keeper_main(int read_fd)
         if (pgid > 1)
             (void)kill(-pgid, SIGKILL);
     }
+    TORCHMP_COVERAGE_FLUSH();
     _exit(0);
 }
 
