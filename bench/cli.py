@@ -51,6 +51,9 @@ def parse(argv):
                         "(--only/--impl filter; --tolerance marks the cells beyond it)")
     p.add_argument("--tolerance", type=float, default=0.10, metavar="FRACTION",
                    help="for --compare: mark changes beyond this fraction (default 0.10)")
+    p.add_argument("--agreement", metavar="JSON", default=None,
+                   help="measure nothing: from a saved run's samples, how far two runs of 15, 30 and 60 "
+                        "rounds would be apart on each torchmp/stdlib figure (how the default rounds were chosen)")
     a = p.parse_args(argv)
     for s in a.only or []:
         if s not in scenarios.ORDER:
@@ -69,6 +72,10 @@ def log(msg: str) -> None:
 
 def main(argv=None) -> int:
     a = parse(argv)
+    if a.agreement:
+        with open(a.agreement) as f:
+            print(report.agreement(json.load(f), [15, 30, 60]))
+        return 0
     if a.compare:
         docs = []
         for path in a.compare:
@@ -129,8 +136,13 @@ def main(argv=None) -> int:
             res = scenarios.get(s)(ctx)
             res.elapsed_s = time.monotonic() - t
             results[s] = res
-    except KeyboardInterrupt:
-        log("interrupted: reporting what was measured")
+    except BaseException as e:
+        # ^C, or SIGTERM: the bench's handler raises KeyboardInterrupt, but once a
+        # torch-like launcher has installed its own, the signal arrives as its
+        # SignalException.  Either way, report what was measured.
+        if not isinstance(e, KeyboardInterrupt) and type(e).__name__ != "SignalException":
+            raise
+        log(f"interrupted ({type(e).__name__}): reporting what was measured")
     finally:
         ctx.close()
         if a.keep_tmp:

@@ -443,3 +443,44 @@ def compare(doc_a: dict[str, Any], doc_b: dict[str, Any], only: list[str] | None
     lines.append("")
     lines.append(f"{marked} cell(s) changed by more than {tolerance:.0%}")
     return "\n".join(lines), marked
+
+
+def agreement(doc: dict[str, Any], rounds: list[int], pairs: int = 2000, seed: int = 1) -> str:
+    """How far apart two runs of n rounds would be, resampled from one run's samples.
+
+    For every median metric of torchmp with a stdlib value, draw two runs of n
+    rounds (with replacement) from the saved samples and compare their
+    torchmp/stdlib ratios (for "diff" metrics: their torchmp - stdlib
+    differences, relative to the full sample's); print the median and the
+    90th percentile of that distance per n.  A pool of a few samples says
+    little: the table gives its size.
+    """
+    import random
+
+    rng = random.Random(seed)
+    lines = [f"{'metric':<34}{'pool':>6}" + "".join(f"{f'{n} rounds':>16}" for n in rounds),
+             "(median, 90th percentile of |run A - run B| over " f"{pairs} resampled pairs)"]
+    for name, res in load_json(doc).items():
+        for m in res.metrics.values():
+            t, s = m.values.get("torchmp"), m.values.get("stdlib")
+            if m.agg != "median" or m.better == "info" or not t or not s:
+                continue
+            cells = []
+            for n in rounds:
+                dist = sorted(_distance(rng, t, s, n, m.compare == "diff") for _ in range(pairs))
+                cells.append(f"{dist[len(dist) // 2]:.0%}, {dist[int(len(dist) * 0.9)]:.0%}")
+            label = f"{(name + ' ' + m.label)[:33]:<34}{min(len(t), len(s)):>6}"
+            lines.append(label + "".join(f"{c:>16}" for c in cells))
+    return "\n".join(lines)
+
+
+def _distance(rng: Any, t: list[float], s: list[float], n: int, diff: bool) -> float:
+    """Two resampled runs of n rounds: how far apart their torchmp-vs-stdlib figures are."""
+    import statistics
+
+    a, b = (statistics.median(rng.choices(t, k=n)) for _ in range(2))
+    c, d = (statistics.median(rng.choices(s, k=n)) for _ in range(2))
+    if diff:
+        whole = statistics.median(t) - statistics.median(s)
+        return abs((a - c) - (b - d)) / abs(whole) if whole else 0.0
+    return abs((a / c) / (b / d) - 1) if c > 0 and d > 0 and b > 0 else 0.0

@@ -38,7 +38,7 @@ def run_lag(ctx) -> Result:
                 raise RuntimeError("a worker exited before the watcher was armed")
         return {"lag": (t1 - max(exits.values())) / 1e6, "total": (t1 - t0) / 1e6}
 
-    samples = interleave(impls, ctx.reps(15, 5), trial, warmup=1,
+    samples = interleave(impls, ctx.reps(60, 5), trial, warmup=1,
                          on_error=lambda i, m: res.error(i, "", m), log=ctx.log)
     record(res, samples)
     return res

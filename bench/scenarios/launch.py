@@ -13,8 +13,9 @@ from bench.impls import ALL_IMPLS
 
 TITLE = "launch+reap of N x /bin/true: start .. wait() returned"
 SIZES = [int(s) for s in os.environ.get("BENCH_LAUNCH_SIZES", "1,16,128,1024").split(",")]
-# (full reps, quick reps, warm-up rounds)
-REPS = {1: (30, 7, 2), 16: (15, 5, 1), 128: (7, 3, 1), 1024: (3, 1, 0)}
+# (full rounds, quick rounds, warm-up rounds): enough rounds that two full runs
+# agree within 10 % on every N (bench/README.md, "Noise").
+REPS = {1: (60, 7, 2), 16: (30, 5, 1), 128: (15, 3, 1), 1024: (10, 1, 0)}
 
 
 def run_launch(ctx) -> Result:

@@ -29,6 +29,9 @@ from bench.impls import ALL_IMPLS
 
 RANKS = 4
 LINE = 100
+# (full, quick) rounds: redirect's sub-0.1 s trials need more of them than tee's
+# for two runs to agree within 10 % (bench/README.md, "Noise").
+REPS = {"tee": (3, 2), "redirect": (15, 3)}
 PAD = (b"abcdefghijklmnopqrstuvwxyz" * 4)[:81]
 NAME = b"bench"
 
@@ -134,7 +137,7 @@ def _run(ctx, scen: str) -> Result:
             return sample
 
     try:
-        samples = interleave(impls, ctx.reps(3, 2), trial, warmup=0,
+        samples = interleave(impls, ctx.reps(*REPS[scen]), trial, warmup=0,
                              on_error=lambda i, m: res.error(i, "", m), log=ctx.log)
     finally:
         import shutil
