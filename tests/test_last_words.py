@@ -122,14 +122,15 @@ def test_tail_is_bounded_and_ends_with_the_last_bytes(tmp_path):
     assert failure.headline == expected[-1]
 
 
-def test_partial_first_line_is_dropped_and_progress_bars_show_their_last_state(tmp_path):
+def test_cut_first_line_keeps_its_start_and_progress_bars_show_their_last_state(tmp_path):
     code = ("import os, sys\n"
             "os.write(2, b'y' * 5000 + b'\\n')\n"      # longer than the byte bound
             "os.write(2, b'10%\\r50%\\r100%\\n')\n"
             "sys.exit(2)\n")
     _, result = _run(tmp_path, {0: code}, tee=Std.ALL, stderr_tail=2)
-    # 2 lines keep at most 800 bytes: the cut 5000-byte line is not shown.
-    assert result.failures[0].stderr_tail == "100%"
+    # 2 lines keep at most 800 bytes: the 5000-byte line is cut; its start
+    # (400 bytes a line) is read back from the log file.
+    assert result.failures[0].stderr_tail == "y" * 400 + " [... 4600 bytes cut]\n100%"
 
 
 def test_stderr_tail_zero_turns_it_off(tmp_path):

@@ -26,7 +26,7 @@ from torchmp._inputs import (
 from torchmp._pcontext import PContext, ResourceUsage, RunProcsResult
 from torchmp._signals import close_despite_interrupts
 from torchmp.errors import ProcessFailure, root_cause
-from torchmp._tails import _file_tail, _last_lines
+from torchmp._tails import _file_tail, rank_tail
 from torchmp.logs_specs import LogsSpecs
 
 # torch's contexts log as its api module; so do torchmp's.
@@ -569,7 +569,7 @@ class _NativeContext(PContext):
         path = self.stderrs.get(rank, "")
         if not data and path and rank not in self._logs_dest.tee_stderrs:
             data, truncated = _file_tail(path, self.stderr_tail * TAIL_BYTES_PER_LINE)
-        return _last_lines(data, self.stderr_tail, truncated)
+        return rank_tail(data, truncated, path, self.stderr_tail, TAIL_BYTES_PER_LINE)
 
     def _stream_done(self, rank: int, which: int) -> bool:
         if self._group is None:

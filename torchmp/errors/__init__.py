@@ -88,6 +88,7 @@ from .error_handler import (
     _UnreadableErrorFile,
 )
 from .handlers import get_error_handler
+from torchmp._tails import exception_headline, python_traceback
 
 __all__ = [
     "ProcessFailure",
@@ -126,40 +127,6 @@ def _as_int(value: object) -> int | None:
             return int(value.strip())
         except ValueError:
             return None
-    return None
-
-
-# The last words of a Python rank that died of an exception: the final
-# "Traceback (most recent call last):" block of its stderr.
-_TRACEBACK_HEADER: Final = "Traceback (most recent call last):"
-
-
-def python_traceback(text: str) -> str | None:
-    """The last Python traceback in ``text`` (a rank's stderr tail), from its
-    header through the exception lines, or None if there is none."""
-    start = text.rfind(_TRACEBACK_HEADER)
-    if start < 0:
-        return None
-    lines = text[start:].rstrip().split("\n")
-    end = 1
-    while end < len(lines) and (lines[end].startswith(" ") or not lines[end]):
-        end += 1  # the frames: indented
-    # Then the exception: its first line is not indented; a multi-line
-    # message or notes follow until the text ends.
-    if end >= len(lines):
-        return None
-    return "\n".join(lines)
-
-
-def _exception_line(text: str) -> str | None:
-    """``ValueError: boom`` of the last traceback in text, if any."""
-    tb = python_traceback(text)
-    if tb is None:
-        return None
-    lines = tb.split("\n")
-    for line in lines[1:]:
-        if line and not line.startswith(" "):
-            return line
     return None
 
 
@@ -301,14 +268,16 @@ class ProcessFailure:
     @property
     def headline(self) -> str:
         """This failure in one line, for reports: the error file's message;
-        without one, the exception line of a Python traceback in the stderr
-        tail, else (a non-zero exit) the tail's last line, else ``message``."""
+        without one, the exception a Python traceback in the stderr tail
+        names (an exception group with its first exception; see
+        :func:`torchmp._tails.exception_headline`), else (a non-zero exit)
+        the tail's last line, else ``message``."""
         message = self.message
         if isinstance(message, dict):
             inner = message.get("message", _NOT_AVAILABLE)
             return str(inner).split("\n", 1)[0]
         if self.error_file_data.get("message") in (None, "<NONE>") and self.stderr_tail.strip():
-            exception_line = _exception_line(self.stderr_tail)
+            exception_line = exception_headline(self.stderr_tail)
             if exception_line is not None:
                 return exception_line if not self.cause else f"{exception_line}; {self.cause}"
             if self.exitcode > 0:
