@@ -1,9 +1,13 @@
-"""Naming deaths by the kernel OOM killer (torchmp/_oom.py).
+"""Naming deaths by the kernel OOM killer (torchmp/_oom.py), only with
+evidence about the rank.
 
-The parsers and the cgroup path resolution are tested on fixture text; the
-real tests create a child memory cgroup with a small limit on the cgroup v1
-hierarchy (root only, skipped where it is not writable) and get a process
-OOM-killed in it.
+The parsers, the cgroup path resolution and the watch's rules are tested on
+fixture text (kernel log records fed through a seqpacket socket, counter
+files); the real tests create a child memory cgroup with a small limit on
+the cgroup v1 hierarchy (root only, skipped where it is not writable) and
+get processes OOM-killed in it: a victim rank (named) and a bystander
+SIGKILLed by hand after another process's OOM kill (not named), in one run,
+with and without the kernel's log.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import json
 import os
 import re
 import signal
+import socket
 import sys
 import textwrap
 import time
@@ -201,30 +206,183 @@ def test_contains() -> None:
     assert MemCgroup(2, "/", "/x").contains(job)
 
 
-# --- OomWatch on fixture files ----------------------------------------------------
+# --- the kernel's log, on fixture records ------------------------------------------
 
-def test_watch_explains_a_rise(tmp_path: Path) -> None:
-    events = tmp_path / "memory.events"
-    events.write_text(MEMORY_EVENTS)          # oom_kill 2
-    watch = OomWatch(MemCgroup(2, "/job", str(events)), _oom.read_oom_kills(
-        MemCgroup(2, "/job", str(events))) or 0)
-    assert watch.before == 2
-    assert watch.explain(None) is None
-    events.write_text(MEMORY_EVENTS.replace("oom_kill 2", "oom_kill 3"))
-    assert watch.explain(None) == (
-        "killed by the kernel OOM killer (memory cgroup /job: oom_kill 2 -> 3)")
-    # a pid whose cgroup cannot be read (reaped): the launcher's counter decides
-    assert watch.explain(2**22 + 1) is not None
+# Records as /dev/kmsg gives them, one per read: "prefix,seq,usec,flags;text"
+# then dictionary lines.  prefix is facility << 3 | level; 0 is the kernel.
+SUMMARY = (b"6,901,300474831,-;oom-kill:constraint=CONSTRAINT_MEMCG,nodemask=(null),cpuset=/,"
+           b"mems_allowed=0,oom_memcg=/job,task_memcg=/job/sub,task=python3,pid=8275,uid=0\n")
+KILLED = (b"3,902,300474842,-;Memory cgroup out of memory: Killed process 8275 (python3) "
+          b"total-vm:74652kB, anon-rss:65280kB, file-rss:6084kB, shmem-rss:0kB, UID:0 pgtables:188kB "
+          b"oom_score_adj:0\n SUBSYSTEM=memory\n")
 
 
-def test_watch_v1_format(tmp_path: Path) -> None:
+def test_parse_kmsg_record() -> None:
+    assert _oom.parse_kmsg_record(KILLED) == (
+        0, 902, 300474842, KILLED.split(b";", 1)[1].split(b"\n")[0])
+    assert _oom.parse_kmsg_record(b"14,5,77,-;user text; with ;\n")[:3] == (1, 5, 77)  # type: ignore[index]
+    for bad in (b"", b"garbage", b"6,1,2;no flags\n", b"x,1,2,-;a\n", b"6,1,2,-no separator\n"):
+        assert _oom.parse_kmsg_record(bad) is None, bad
+
+
+def fake_log() -> tuple[_oom.KernelLog, socket.socket]:
+    """A KernelLog reading records the test sends (a seqpacket socket keeps
+    one record per read, as /dev/kmsg does)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ours.setblocking(False)
+    return _oom.KernelLog(ours.detach()), theirs
+
+
+def test_kernel_log_takes_kernel_oom_kills_only() -> None:
+    log, feed = fake_log()
+    try:
+        for record in (b"6,1,100,-;random driver message\n", SUMMARY, KILLED,
+                       # a process writing to /dev/kmsg is facility 1 (user), never 0
+                       b"11,3,300474900,-;Killed process 4242 (python3) total-vm:1kB\n",
+                       b"3,4,300475000,-;Out of memory: Killed process 77 (java) total-vm:1kB\n",
+                       b"6,5,300475100,-;oom_reaper: reaped process 77 (java), now anon-rss:0kB\n"):
+            feed.send(record)
+        log.read()
+        assert log.kills == [_oom.OomKill(8275, 300474842000, "/job/sub"),
+                             _oom.OomKill(77, 300475000000, None)]
+        assert not log.lost
+        log.read()  # nothing new
+        assert len(log.kills) == 2
+    finally:
+        log.close()
+        feed.close()
+    log.read()  # closed: a no-op
+
+
+def clock(mono_ns: int) -> str:
+    return time.strftime("%H:%M:%S", time.localtime((time.time_ns() - time.monotonic_ns() + mono_ns) / 1e9))
+
+
+@pytest.fixture
+def counter(tmp_path: Path) -> Callable[[int], None]:
+    """set(n): the fixture cgroup's memory.oom_control reads oom_kill n."""
     ctl = tmp_path / "memory.oom_control"
-    ctl.write_text(OOM_CONTROL.replace("oom_kill 7", "oom_kill 0"))
-    watch = OomWatch(MemCgroup(1, "/torchmp-test-123", str(ctl)), 0)
-    ctl.write_text(OOM_CONTROL.replace("oom_kill 7", "oom_kill 1"))
-    # On v1 the pid is not consulted: the kernel lists "/" for an exiting task.
-    assert watch.explain(os.getpid()) == (
-        "killed by the kernel OOM killer (memory cgroup /torchmp-test-123: oom_kill 0 -> 1)")
+
+    def set_count(n: int) -> None:
+        ctl.write_text(OOM_CONTROL.replace("oom_kill 7", f"oom_kill {n}"))
+    set_count(0)
+    return set_count
+
+
+def v1_watch(tmp_path: Path, log: _oom.KernelLog | None) -> OomWatch:
+    cg = MemCgroup(1, "/job", str(tmp_path / "memory.oom_control"))
+    return OomWatch(cg, _oom.read_oom_kills(cg), log)
+
+
+def kill_record(seq: int, pid: int, mono_ns: int, memcg: str | None) -> list[bytes]:
+    usec = mono_ns // 1000
+    records = [f"3,{seq},{usec},-;Memory cgroup out of memory: Killed process {pid} (python3) "
+               "total-vm:1kB\n".encode()]
+    if memcg is not None:
+        records.insert(0, f"6,{seq - 1},{usec},-;oom-kill:constraint=CONSTRAINT_MEMCG,nodemask=(null),"
+                          f"cpuset=/,mems_allowed=0,oom_memcg={memcg},task_memcg={memcg},task=python3,"
+                          f"pid={pid},uid=0\n".encode())
+    return records
+
+
+def test_watch_names_only_the_pid_the_kernel_log_names(tmp_path: Path, counter: Callable[[int], None]) -> None:
+    log, feed = fake_log()
+    watch = v1_watch(tmp_path, log)
+    try:
+        now = time.monotonic_ns()
+        helper_kill = now - 3_000_000_000
+        for record in [*kill_record(10, 500, helper_kill, "/job"), *kill_record(20, 600, now, "/job")]:
+            feed.send(record)
+        counter(2)
+        # The victim: named, with the counter and the record as evidence.
+        assert watch.explain(600, now + 1000) == (
+            "killed by the kernel OOM killer (memory cgroup /job: oom_kill 0 -> 2; "
+            f"the kernel log names pid 600 at {clock(now)})")
+        # A rank SIGKILLed by hand after the helper's kill: not named; the
+        # helper's kill (the last before its exit) may be related.
+        assert watch.explain(700, now - 1_000_000_000) == (
+            f"an OOM kill in the same cgroup at {clock(helper_kill)} may be related")
+        # A rank that exited before any kill: the log is complete, nothing to say.
+        assert watch.explain(800, now - 10_000_000_000) is None
+    finally:
+        watch.stop()
+        feed.close()
+    # Stopped: what was read stays, nothing more is read.
+    assert watch.explain(600, now) is not None and log._file is None
+
+
+def test_watch_kills_in_other_cgroups_say_nothing(tmp_path: Path, counter: Callable[[int], None]) -> None:
+    log, feed = fake_log()
+    watch = v1_watch(tmp_path, log)
+    try:
+        now = time.monotonic_ns()
+        # v1 counts a kill in the victim's own cgroup only: /job/sub is not /job.
+        for record in [*kill_record(10, 500, now, "/other"), *kill_record(20, 501, now, "/job/sub")]:
+            feed.send(record)
+        assert watch.explain(700, now) is None
+        # A kill whose cgroup the kernel did not log (rate-limited) counts if
+        # our counter rose.
+        feed.send(kill_record(30, 502, now, None)[0])
+        assert watch.explain(700, now) is None
+        counter(1)
+        assert watch.explain(700, now) == f"an OOM kill in the same cgroup at {clock(now)} may be related"
+    finally:
+        watch.stop()
+        feed.close()
+
+
+def test_watch_v2_cgroup_of_a_kill(tmp_path: Path) -> None:
+    events = tmp_path / "memory.events"
+    events.write_text("oom_kill 0\n")
+    log, feed = fake_log()
+    watch = OomWatch(MemCgroup(2, "/job", str(events)), 0, log)
+    try:
+        now = time.monotonic_ns()
+        for record in kill_record(10, 500, now, "/job/rank1"):
+            feed.send(record)
+        # v2 counts a kill in a descendant too: the same cgroup for the hint.
+        assert watch.explain(700, now) == f"an OOM kill in the same cgroup at {clock(now)} may be related"
+    finally:
+        watch.stop()
+        feed.close()
+
+
+def test_watch_without_the_kernel_log_never_names(tmp_path: Path, counter: Callable[[int], None]) -> None:
+    watch = v1_watch(tmp_path, None)
+    assert watch.explain(600, time.monotonic_ns()) is None   # no kill: a plain SIGKILL
+    exit_ns = time.monotonic_ns()
+    counter(1)
+    # The counter cannot tell whose kill it counted: a hint, placed between
+    # the look at the start and this one.
+    hint = watch.explain(600, exit_ns)
+    m = re.fullmatch(r"an OOM kill in the same cgroup between (\d\d:\d\d:\d\d) and (\d\d:\d\d:\d\d) "
+                     r"may be related", hint or "")
+    assert m, hint
+    assert m.group(1) == clock(watch._counts[0][0]) and m.group(2) == clock(watch._counts[1][0])
+
+
+def test_watch_counter_rise_after_the_exit_is_not_related(tmp_path: Path,
+                                                          counter: Callable[[int], None]) -> None:
+    watch = v1_watch(tmp_path, None)
+    exit_ns = time.monotonic_ns()
+    watch.stop()                  # a look after the exit: no kill yet
+    counter(1)
+    assert watch.explain(600, exit_ns) is None
+    # A rank that exited after that look: the rise may be of its life.
+    assert watch.explain(601, time.monotonic_ns()) is not None
+
+
+def test_watch_lost_records_fall_back_to_the_counter(tmp_path: Path, counter: Callable[[int], None]) -> None:
+    log, feed = fake_log()
+    watch = v1_watch(tmp_path, log)
+    try:
+        log.lost = True           # the ring overwrote records before they were read
+        counter(1)
+        hint = watch.explain(600, time.monotonic_ns())
+        assert hint is not None and " between " in hint and "killed by" not in hint
+    finally:
+        watch.stop()
+        feed.close()
 
 
 @pytest.mark.parametrize("content", [None, "", "garbage", OOM_CONTROL_OLD, "oom_kill 1"])
@@ -239,8 +397,9 @@ def test_watch_unreadable_gives_none(tmp_path: Path, content: str | None) -> Non
 
 def test_watch_v2_rank_cgroup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     events = tmp_path / "memory.events"
-    events.write_text("oom_kill 1\n")
+    events.write_text("oom_kill 0\n")
     watch = OomWatch(MemCgroup(2, "/job", str(events)), 0)
+    events.write_text("oom_kill 1\n")
     rank: dict[int, MemCgroup | None] = {
         10: MemCgroup(2, "/job", "-"), 11: MemCgroup(2, "/job/rank1", "-"),
         12: MemCgroup(2, "/elsewhere", "-"), 13: None,
@@ -257,6 +416,7 @@ def test_start_watch_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
         raise OSError(errno.EACCES, "denied")
     monkeypatch.setattr(_oom, "_mounts", None)
     monkeypatch.setattr(_oom, "_read", boom)
+    monkeypatch.setattr(_oom, "KMSG_PATH", "/nonexistent/kmsg")
     assert _oom.start_watch() is None
     assert _oom.memory_cgroup(1) is None
 
@@ -270,9 +430,13 @@ def test_live_system_does_not_raise() -> None:
     cg = _oom.memory_cgroup()
     watch = _oom.start_watch()
     if watch is not None:
-        assert watch.cgroup == cg
-        assert watch.explain(os.getpid()) is None
-        assert watch.explain(None) is None
+        try:
+            assert watch.cgroup == cg
+            assert watch.explain(os.getpid()) is None
+            assert watch.explain(None) is None
+        finally:
+            watch.stop()
+        assert watch.kernel_log is None or watch.kernel_log._file is None
 
 
 def test_mount_table_read_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -284,11 +448,15 @@ def test_mount_table_read_once(monkeypatch: pytest.MonkeyPatch) -> None:
         reads.append(path)
         return real(path)
     monkeypatch.setattr(_oom, "_read", counting)
-    _oom.start_watch()
-    reads.clear()
-    _oom.start_watch()
-    # A launch reads at most /proc/self/cgroup and one counter file.
-    assert len(reads) <= 2 and "/proc/self/mountinfo" not in reads, reads
+    for attempt in range(2):
+        reads.clear()
+        watch = _oom.start_watch()
+        if watch is not None:
+            watch.stop()
+        if attempt:
+            # A launch reads at most /proc/self/cgroup and one counter file,
+            # and close() the counter once more.
+            assert len(reads) <= 3 and "/proc/self/mountinfo" not in reads, reads
 
 
 # --- real OOM kills in a cgroup v1 memory cgroup ----------------------------------
@@ -397,11 +565,12 @@ DRIVER = textwrap.dedent("""\
             zombie_cgroup = f.read()
         zombie = watch.explain(child.pid)
         child.wait()
-        out[key] = {"rc": child.returncode, "zombie": zombie,
+        out[key] = {"rc": child.returncode, "zombie": zombie, "pid": child.pid,
                     "reaped": watch.explain(child.pid), "zombie_cgroup": zombie_cgroup}
 
     run("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "selfkill")
     run(sys.argv[2], "oom")
+    watch.stop()
     print(json.dumps(out))
 """)
 
@@ -425,12 +594,13 @@ def test_v1_oom_kill_is_named(v1_cgroup: Callable[..., Path], tmp_path: Path,
 
     oom = out["oom"]
     assert oom["rc"] == -signal.SIGKILL, oom
-    pattern = (r"killed by the kernel OOM killer \(memory cgroup "
-               + re.escape(rel) + r": oom_kill (\d+) -> (\d+)\)")
+    if kernel_log_usable():
+        pattern = (r"killed by the kernel OOM killer \(memory cgroup " + re.escape(rel)
+                   + rf": oom_kill 0 -> 1; the kernel log names pid {oom['pid']} at \d\d:\d\d:\d\d\)")
+    else:  # the counter alone names nobody
+        pattern = r"an OOM kill in the same cgroup between \S+ and \S+ may be related"
     for key in ("zombie", "reaped"):
-        m = re.fullmatch(pattern, oom[key] or "")
-        assert m, (key, oom[key])
-        assert int(m.group(2)) == int(m.group(1)) + 1 == 1
+        assert re.fullmatch(pattern, oom[key] or ""), (key, oom[key])
     assert _oom.parse_oom_control((cg / "memory.oom_control").read_text()) == 1
     # Kernel fact the design relies on: a v1 zombie's memory line reads "/".
     assert "memory:/\n" in oom["zombie_cgroup"]
@@ -466,18 +636,125 @@ def test_torchmp_run_names_oom_kill(v1_cgroup: Callable[..., Path], tmp_path: Pa
     # until the OOM killer picks it, the biggest process of the cgroup.
     cg = v1_cgroup(200 * MiB)
     t0 = time.monotonic()
-    # The environment as it is, less PYTHONPATH: the installed torchmp.
     with Launcher(["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cg / "cgroup.procs"),
                    sys.executable, "-m", "torchmp", "run", "-n", "2", "--log-dir", str(tmp_path / "logs"),
-                   "--", sys.executable, "-c", RANKS], cwd=tmp_path, unset=("PYTHONPATH",)) as launcher:
+                   "--", sys.executable, "-c", RANKS], cwd=tmp_path) as launcher:
         code, _, err = launcher.communicate(60)
     elapsed = time.monotonic() - t0
     assert code == 128 + signal.SIGKILL, err
     assert _oom.parse_oom_control((cg / "memory.oom_control").read_text()) == 1, err
     assert "Root Cause (first observed failure):" in err, err
     root_cause = err.split("Root Cause (first observed failure):", 1)[1].split("=" * 60)[0]
-    assert "killed by the kernel OOM killer (memory cgroup /torchmp-test-" in root_cause, err
     summary = err.split("torchmp: summary of", 1)[1]
     rows = [line for line in summary.splitlines() if re.match(r"\s*1\s+\d+\s", line)]
-    assert len(rows) == 1 and "OOM killer" in rows[0], err
+    assert len(rows) == 1, err
+    if kernel_log_usable():
+        assert "killed by the kernel OOM killer (memory cgroup /torchmp-test-" in root_cause, err
+        assert "the kernel log names pid" in root_cause, err
+        assert rows[0].endswith("root cause: killed by the kernel OOM killer"), err
+    else:
+        assert "an OOM kill in the same cgroup between" in root_cause, err
     assert elapsed < 10, elapsed
+
+
+def kernel_log_usable() -> bool:
+    """Whether this process can read the kernel's log (/dev/kmsg) and sees
+    pids and cgroup paths as the kernel logs them (the initial pid and
+    cgroup namespaces: inode numbers 0xEFFFFFFC and 0xEFFFFFFB)."""
+    try:
+        if (os.stat("/proc/self/ns/pid").st_ino, os.stat("/proc/self/ns/cgroup").st_ino) != (
+                0xEFFFFFFC, 0xEFFFFFFB):
+            return False
+        os.close(os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK))
+    except OSError:
+        return False
+    return True
+
+
+# One run, three deaths in one memory cgroup: rank 1's helper is OOM-killed
+# (rank 1 lives on), then rank 1 is SIGKILLed by hand (a bystander), then
+# rank 0 grows until the OOM killer takes it (the victim).  The driver sits
+# in the cgroup and waits for the result only at the end, as a launcher
+# busy elsewhere would.
+VICTIM_AND_BYSTANDER = textwrap.dedent("""\
+    import json, os, signal, sys, time
+    import torchmp
+    from torchmp import DefaultLogsSpecs, _oom
+    cg, flags, alloc = sys.argv[1], sys.argv[2], sys.argv[3]
+    if sys.argv[4] == "no-kernel-log":
+        _oom.KMSG_PATH = "/nonexistent/kmsg"
+    with open(cg + "/cgroup.procs", "w") as f:
+        f.write(str(os.getpid()))
+    victim = ("import os, time\\n"
+              f"while not os.path.exists({flags + '/go'!r}): time.sleep(0.01)\\n" + alloc)
+    bystander = ("import subprocess, sys, time\\n"
+                 f"rc = subprocess.call([sys.executable, '-c', {alloc!r}])\\n"
+                 f"open({flags + '/helper'!r}, 'w').write(f'{{rc}} {{time.time()}}')\\n"
+                 "time.sleep(60)\\n")
+    ctx = torchmp.start_processes("oomjob", sys.executable, {0: ("-c", victim), 1: ("-c", bystander)},
+                                  {0: {}, 1: {}}, DefaultLogsSpecs(log_dir=flags + "/logs"))
+    try:
+        pids = ctx.pids()
+        while not os.path.exists(flags + "/helper"):
+            time.sleep(0.01)
+        time.sleep(0.2)
+        os.kill(pids[1], signal.SIGKILL)               # by hand, after the helper's OOM kill
+        time.sleep(0.2)
+        open(flags + "/go", "w").close()
+        # The result only once the victim is dead too (a zombie, pinned
+        # until close()): earlier, fail-fast would stop it.
+        while open(f"/proc/{pids[0]}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            time.sleep(0.01)
+        result = ctx.wait(60)
+    finally:
+        ctx.close()
+    helper_rc, helper_at = open(flags + "/helper").read().split()
+    print(json.dumps({"pids": pids, "helper_rc": int(helper_rc), "helper_at": float(helper_at),
+                      "failures": {r: [f.exitcode, f.cause, f.message] for r, f in result.failures.items()}}))
+""")
+
+
+def clock_seconds(hhmmss: str) -> int:
+    h, m, sec = map(int, hhmmss.split(":"))
+    return h * 3600 + m * 60 + sec
+
+
+@pytest.mark.parametrize("evidence", ["kernel-log", "no-kernel-log"])
+def test_victim_named_bystander_not(v1_cgroup: Callable[..., Path], tmp_path: Path, evidence: str) -> None:
+    if evidence == "kernel-log" and not kernel_log_usable():
+        pytest.skip("the kernel log (/dev/kmsg) is not readable here in the initial namespaces")
+    cg = v1_cgroup(200 * MiB)
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    with Launcher([sys.executable, "-c", VICTIM_AND_BYSTANDER, str(cg), str(flags), ALLOC, evidence],
+                  cwd=tmp_path, unset=()) as driver:
+        code, stdout, stderr = driver.communicate(90)
+    assert code == 0, stderr
+    out = json.loads(stdout)
+    assert out["helper_rc"] == -signal.SIGKILL, out
+    assert _oom.parse_oom_control((cg / "memory.oom_control").read_text()) == 2, out
+    failures = out["failures"]
+    assert sorted(failures) == ["0", "1"], out
+    (victim_code, victim_cause, victim_message), (by_code, by_cause, by_message) = failures["0"], failures["1"]
+    assert victim_code == by_code == -signal.SIGKILL, out
+    rel = "/" + cg.relative_to(V1_ROOT).as_posix()
+    victim_pid, bystander_pid = out["pids"]["0"], out["pids"]["1"]
+    # The bystander: not named, whatever the evidence; an OOM kill in its
+    # cgroup may be related.
+    assert "OOM killer" not in by_message and by_message.startswith(
+        f"Signal 9 (SIGKILL) received by PID {bystander_pid}; an OOM kill in the same cgroup "), out
+    if evidence == "kernel-log":
+        # ... the helper's, logged before the bystander's death.
+        m = re.fullmatch(r"an OOM kill in the same cgroup at (\d\d:\d\d:\d\d) may be related", by_cause)
+        assert m, out
+        helper_clock = clock_seconds(time.strftime("%H:%M:%S", time.localtime(out["helper_at"])))
+        assert 0 <= (helper_clock - clock_seconds(m.group(1))) % 86400 <= 2, out
+        # The victim: named, the kernel's record of its pid as evidence.
+        assert re.fullmatch(rf"killed by the kernel OOM killer \(memory cgroup {re.escape(rel)}: oom_kill 0 -> 2; "
+                            rf"the kernel log names pid {victim_pid} at \d\d:\d\d:\d\d\)", victim_cause), out
+        assert victim_message == f"Signal 9 (SIGKILL) received by PID {victim_pid}; {victim_cause}"
+    else:
+        # The counter alone cannot tell whose kill it counted: neither rank is named.
+        for cause in (by_cause, victim_cause):
+            assert re.fullmatch(r"an OOM kill in the same cgroup between \d\d:\d\d:\d\d and "
+                                r"\d\d:\d\d:\d\d may be related", cause), out

@@ -234,9 +234,6 @@ class _NativeContext(PContext):
         _console.claim_std_fds()
         backlog = _console.backlog_bound(self.console_backlog)
         self._ensure_fd_budget()
-        # The OOM killer's count before any rank runs: a later SIGKILL that
-        # torchmp did not send is checked against it.
-        self._oom_watch = _oom.start_watch()
         consoles: list[Any] = [-1, -1]
         if self._logs_dest.tee_stdouts:
             consoles[0] = _console.console_for(0)
@@ -266,6 +263,9 @@ class _NativeContext(PContext):
                 _console.track(self._forwarder)
             self._group = _core.Group(self.nprocs, filtered[0][0], filtered[0][1], filtered[1][0], filtered[1][1])
             _live_contexts.add(self)
+            # From before any rank runs: what the OOM killer did meanwhile,
+            # for a later SIGKILL that torchmp did not send.
+            self._oom_watch = _oom.start_watch()
             self._launch(self._group, streams)
         finally:
             for fd in opened:
@@ -368,7 +368,7 @@ class _NativeContext(PContext):
                     terminated_by_launcher=killed,
                     # A rank torchmp killed has nothing to say about the failure.
                     stderr_tail="" if killed else self._stderr_tail(rank),
-                    cause=None if killed else self._death_cause(pid, code),
+                    cause=None if killed else self._death_cause(info, code),
                 )
                 if info.status_lost:
                     why = self._lost_status_reason(rank)
@@ -525,6 +525,8 @@ class _NativeContext(PContext):
         # again.
         if signalled:
             group.killpg(int(signal.SIGKILL))
+        if self._oom_watch is not None:
+            self._oom_watch.stop()  # while the zombies still pin the ranks' pids
         self._release_foreign(group.reap())
         group.finish_streams()
         if self._forwarder is not None:
@@ -553,12 +555,12 @@ class _NativeContext(PContext):
                 if data:
                     self._tails[rank] = (data[-cap:], len(data) > cap)
 
-    def _death_cause(self, pid: int, exitcode: int) -> str | None:
+    def _death_cause(self, info: _core.ProcInfo, exitcode: int) -> str | None:
         """Why a rank died, where the exit status does not say: a SIGKILL
-        torchmp did not send is checked against the OOM killer's count."""
+        torchmp did not send is checked against what the OOM killer did."""
         if exitcode != -signal.SIGKILL or self._oom_watch is None:
             return None
-        return self._oom_watch.explain(pid)
+        return self._oom_watch.explain(info.pid, info.exit_mono_ns)
 
     def _stderr_tail(self, rank: int) -> str:
         """The last stderr lines of a failed rank: as the I/O thread kept
