@@ -2,8 +2,9 @@
 
 * The /proc readers and the table, on fixture files (a command name with
   spaces and parentheses), and the once-per-silence policy with a fake clock.
-* How the SIGUSR2 handler wakes the run loop: only inside the context's own
-  wait, re-delivered when it lands elsewhere (an in-process stub context).
+* Who makes the reports: a thread of their own, woken through the signal
+  wake-up fd or its silence timer, whatever the main thread is doing (an
+  in-process stub context).
 * The real thing: ``torchmp run -n 3`` with a rank blocked in a pipe read, a
   busy one and a sleeping one; SIGUSR2 prints the table, stops nothing; and
   ``--hang-report-after`` prints it by itself once per silence.
@@ -25,11 +26,12 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from torchmp import _hang, cli
 
-from helpers import Launcher, Launchers, pid_alive, table_rows, wait_no_tagged
+from helpers import Launcher, Launchers, pid_alive, table_rows, tagged, wait_no_tagged
 
 TICK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -293,26 +295,26 @@ def make_run(*options: str) -> cli._Run:
 
 
 class StubCtx:
-    """A context whose first wait is asleep (in its own frame) for 10 s."""
+    """A context whose wait does busy() first (the main thread at work, as
+    in a fail-fast), then sleeps until the test releases it."""
 
     stdouts: dict[int, str] = {}
     stderrs: dict[int, str] = {}
 
-    def __init__(self, before_sleep=None) -> None:
+    def __init__(self, busy=None) -> None:
         self.calls = 0
-        self.before_sleep = before_sleep
+        self.busy = busy
+        self.release = threading.Event()
 
     def pids(self):
         return {}
 
     def wait(self, timeout: float = -1, period: float = 1):
         self.calls += 1
-        if self.calls > 1:
-            return "result"
-        if self.before_sleep is not None:
-            self.before_sleep()
-        time.sleep(10)
-        return "too late"
+        if self.busy is not None:
+            self.busy()
+        self.release.wait(10)
+        return "result"
 
 
 @pytest.fixture
@@ -321,78 +323,110 @@ def report_handler(monkeypatch):
     saved = signal.getsignal(signal.SIGUSR2)
     yield
     signal.signal(signal.SIGUSR2, saved)
+    assert signal.set_wakeup_fd(-1) == -1  # given back
 
 
-def run_stub(run: cli._Run, ctx: StubCtx) -> tuple[list[str], float]:
-    reports: list[str] = []
-    run.hang_report = reports.append  # type: ignore[method-assign]
+def run_stub(run: cli._Run, ctx: StubCtx, signal_at: float | None = None,
+             reports_wanted: int = 1) -> list[tuple[str, float, bool, bool]]:
+    """Run run.wait() over ctx: each report as (reason, when, whether the
+    wait was still asleep or busy, whether it was made off the main
+    thread); the wait is released once reports_wanted are made."""
+    reports: list[tuple[str, float, bool, bool]] = []
+
+    def report(reason: str) -> None:
+        reports.append((reason, time.monotonic(), not ctx.release.is_set(),
+                        threading.current_thread() is not threading.main_thread()))
+        if len(reports) >= reports_wanted:
+            ctx.release.set()
+
+    run.hang_report = report  # type: ignore[method-assign]
     run.ctx = ctx
     run.install_report_handler()
-    started = time.monotonic()
-    run.wait()
-    return reports, time.monotonic() - started
+    timer = None
+    if signal_at is not None:
+        timer = threading.Timer(signal_at, signal.pthread_kill, (threading.main_thread().ident, signal.SIGUSR2))
+        timer.start()
+    try:
+        run.wait()
+    finally:
+        if timer is not None:
+            timer.join()
+        run.reports.stop()
+    assert run.result == "result" and ctx.calls == 1  # the wait was never cut short
+    return reports
 
 
-def test_signal_wakes_the_wait_at_once(report_handler):
-    main = threading.main_thread().ident
-    timer = threading.Timer(0.1, signal.pthread_kill, (main, signal.SIGUSR2))
-    timer.start()
-    run = make_run()
-    ctx = StubCtx()
-    reports, took = run_stub(run, ctx)
-    timer.join()
-    assert reports == ["asked by SIGUSR2"] and run.result == "result" and ctx.calls == 2
-    assert took < 2
+def test_signal_makes_a_report_while_the_wait_sleeps(report_handler):
+    sent = time.monotonic() + 0.1
+    reports = run_stub(make_run(), StubCtx(), signal_at=0.1)
+    assert [(r[0], r[2], r[3]) for r in reports] == [("asked by SIGUSR2", True, True)]
+    assert reports[0][1] - sent < 2
 
 
-def test_signal_outside_the_wait_frame_is_delivered_again(report_handler):
-    # The signal lands in something the wait calls (as during the fail-fast):
-    # no exception there; it is re-delivered once the wait is asleep.
-    landed = []
+def test_signal_while_the_main_thread_is_busy(report_handler):
+    # As in a fail-fast grace: the main thread is at work inside the wait
+    # (no frame of the wait's own); the report does not wait for it.
+    sent: list[float] = []
 
-    def elsewhere():
+    def busy():
+        sent.append(time.monotonic())
         signal.raise_signal(signal.SIGUSR2)
-        landed.append(True)  # not cut short
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end:
+            pass
+        sent.append(time.monotonic())
 
-    run = make_run()
-    reports, took = run_stub(run, StubCtx(before_sleep=elsewhere))
-    assert landed == [True]
-    assert reports == ["asked by SIGUSR2"] and run.result == "result" and took < 2
+    reports = run_stub(make_run(), StubCtx(busy=busy))
+    assert len(reports) == 1 and reports[0][0] == "asked by SIGUSR2" and reports[0][3]
+    assert reports[0][1] < sent[1] - 0.5, (reports, sent)  # made while the main thread was busy
 
 
-def test_redelivery_backs_off_while_the_wait_stays_busy(report_handler):
-    # As during a fail-fast shutdown: the wait is busy in its callees for a
-    # while, and every re-delivered signal lands there too.
-    def busy_elsewhere():
-        signal.raise_signal(signal.SIGUSR2)
-        end = time.monotonic() + 1.0
+def test_silence_timer_while_the_main_thread_is_busy(report_handler):
+    def busy():
+        end = time.monotonic() + 2.0
         while time.monotonic() < end:
             pass
 
-    run = make_run()
-    redeliveries = []
-    original = run._redeliver
-
-    def counting() -> None:
-        redeliveries.append(time.monotonic())
-        original()
-
-    run._redeliver = counting  # type: ignore[method-assign]
-    reports, took = run_stub(run, StubCtx(before_sleep=busy_elsewhere))
-    assert reports == ["asked by SIGUSR2"] and run.result == "result"
-    assert took < 3
-    # 0.05 s, then doubling: a handful in one second, not one per 50 ms.
-    assert 1 <= len(redeliveries) <= 7, redeliveries
+    started = time.monotonic()
+    run = make_run("--hang-report-after", "0.3")
+    run.hang.started = started
+    reports = run_stub(run, StubCtx(busy=busy))
+    assert [r[0] for r in reports] == ["no output for 0.3s"] and reports[0][3]
+    assert reports[0][1] - started < 1.5
 
 
-def test_signal_before_the_wait_is_answered_first(report_handler):
+def test_signal_before_the_reports_start_is_answered_first(report_handler):
     run = make_run()
     run.install_report_handler()
     signal.raise_signal(signal.SIGUSR2)  # during the launch, say
+    reports = run_stub(run, StubCtx())
+    assert [r[0] for r in reports] == ["asked by SIGUSR2"]
+
+
+def test_signals_coalesce_and_stop_finishes_the_report(report_handler):
+    # Three signals while a report is being made: one more report, not three.
+    run = make_run()
     ctx = StubCtx()
-    ctx.calls = 1  # the wait returns at once
-    reports, _ = run_stub(run, ctx)
-    assert reports == ["asked by SIGUSR2"] and run.result == "result"
+    made: list[float] = []
+
+    def slow_report(reason: str) -> None:
+        made.append(time.monotonic())
+        if len(made) == 1:
+            for _ in range(3):
+                os.kill(os.getpid(), signal.SIGUSR2)
+            time.sleep(0.5)
+        else:
+            ctx.release.set()
+
+    run.hang_report = slow_report  # type: ignore[method-assign]
+    run.ctx = ctx
+    run.install_report_handler()
+    os.kill(os.getpid(), signal.SIGUSR2)
+    run.wait()
+    time.sleep(0.3)
+    run.reports.stop()
+    assert len(made) == 2, made
+    assert run.reports._thread is not None and not run.reports._thread.is_alive()
 
 
 def test_torchelastic_signals_to_handle_naming_sigusr2_wins(report_handler, monkeypatch):
@@ -624,4 +658,118 @@ def test_torchelastic_signals_to_handle_makes_sigusr2_stop_the_job(launcher, tmp
     la.proc.send_signal(signal.SIGUSR2)
     assert la.finish() == 128 + signal.SIGUSR2
     assert not reports_in(la.err)
+    assert wait_no_tagged(la.tag) == []
+
+
+# ---------------------------------------------------------------------------
+# Reports during a shutdown: ranks that trap SIGTERM and linger
+
+
+TRAPS = textwrap.dedent("""\
+    import os, signal, sys, time
+    rank = int(os.environ["LOCAL_RANK"])
+    linger, mode = sys.argv[1], sys.argv[2]
+    def on_term(*_):
+        print("got TERM", flush=True)
+        os.open(linger, os.O_RDONLY)   # asleep until the test opens the FIFO
+        os._exit(0)
+    signal.signal(signal.SIGTERM, on_term)
+    print("ready", flush=True)
+    if rank == 0 and mode == "fail":
+        while not os.path.exists("go"):
+            time.sleep(0.01)
+        sys.exit(3)
+    while True:
+        time.sleep(0.1)
+        if mode == "tick":
+            print("tick", flush=True)
+""")
+
+
+def start_traps(launcher, tmp_path, mode: str, *options: str):
+    (tmp_path / "traps.py").write_text(TRAPS)
+    linger = tmp_path / "linger"
+    os.mkfifo(linger)
+    la = launcher("-n", "3", *options, "--log-dir", str(tmp_path / "logs"), "--", sys.executable, "traps.py",
+                  str(linger), mode, cwd=tmp_path, env={"PATH": "/usr/bin:/bin"})
+    la.wait_for(lambda: sum(line.endswith("]:ready") for line in la.out) == 3, 30, "3 ready lines")
+    return la, linger
+
+
+def got_term(la, n: int) -> None:
+    """Wait until n ranks said they got SIGTERM and are asleep in the
+    FIFO's open (the state a report must show)."""
+    la.wait_for(lambda: sum(line.endswith("]:got TERM") for line in la.out) == n, 30, f"{n} 'got TERM' lines")
+    deadline = time.monotonic() + 30
+    while True:
+        asleep = []
+        for p in tagged(la.tag):
+            try:
+                if "traps.py" in " ".join(p.cmdline()):
+                    s = _hang.sample(p.pid)   # wchan "-" where the kernel hides it
+                    if s.state == "S" and (s.wchan == "-" or "partner" in s.wchan or "fifo" in s.wchan):
+                        asleep.append(p)
+            except psutil.Error:
+                pass
+        if len(asleep) >= n:
+            return
+        assert time.monotonic() < deadline, "the ranks did not go to sleep in the FIFO's open"
+        time.sleep(0.01)
+
+
+def release(linger) -> None:
+    os.close(os.open(linger, os.O_WRONLY | os.O_NONBLOCK))
+
+
+def test_sigusr2_during_the_fail_fast_grace(launcher, tmp_path):
+    la, linger = start_traps(launcher, tmp_path, "fail")
+    (tmp_path / "go").touch()                      # rank 0 exits 3: fail-fast
+    got_term(la, 2)
+    la.proc.send_signal(signal.SIGUSR2)
+    la.wait_for(lambda: any("hang report 1 saved in" in line for line in la.err), 10, "report 1")
+    title, rows = parse_report(la.err, 1)
+    assert title.group(3) == "asked by SIGUSR2"
+    assert title.group(4).startswith("2 of 3 ranks still running, "), title.group(0)
+    assert sorted(rows) == [1, 2] and all(row["state"] == "sleeping" for row in rows.values()), rows
+    assert la.proc.poll() is None                  # the grace goes on
+    release(linger)
+    assert la.finish() == 3
+    summary = la.err[la.err.index(next(line for line in la.err if line.startswith("torchmp: summary of"))):]
+    assert any(re.match(r"\s*0\s+\d+\s+3\s.*root cause", line) for line in summary), la.err
+    assert len(reports_in(la.err)) == 1
+    assert wait_no_tagged(la.tag) == []
+
+
+def test_sigusr2_during_the_grace_after_sigterm(launcher, tmp_path):
+    la, linger = start_traps(launcher, tmp_path, "sleep")
+    la.proc.send_signal(signal.SIGTERM)
+    got_term(la, 3)
+    for number in (1, 2):                          # as often as asked
+        la.proc.send_signal(signal.SIGUSR2)
+        la.wait_for(lambda: any(f"hang report {number} saved in" in line for line in la.err), 10,
+                    f"report {number}")
+        title, rows = parse_report(la.err, number)
+        assert title.group(3) == "asked by SIGUSR2" and sorted(rows) == [0, 1, 2], la.err
+        assert all(row["state"] == "sleeping" for row in rows.values()), rows
+    release(linger)
+    assert la.finish() == 128 + signal.SIGTERM
+    assert "torchmp: got SIGTERM: terminated the workers" in la.err
+    assert wait_no_tagged(la.tag) == []
+
+
+def test_hang_report_after_fires_during_the_grace(launcher, tmp_path):
+    # The ranks write every 0.1 s until they get SIGTERM, then nothing: the
+    # silence is in the grace, and so is its report.
+    la, linger = start_traps(launcher, tmp_path, "tick", "--hang-report-after", "2")
+    la.proc.send_signal(signal.SIGTERM)
+    got_term(la, 3)
+    before = len(reports_in(la.err))
+    la.wait_for(lambda: len(reports_in(la.err)) > before, 15, "a report during the grace")
+    number = int(TITLE.match(reports_in(la.err)[before]).group(1))
+    la.wait_for(lambda: any(f"hang report {number} saved in" in line for line in la.err), 10, "the table")
+    title, rows = parse_report(la.err, number)
+    assert title.group(3) == "no output for 2s" and sorted(rows) == [0, 1, 2], la.err
+    assert all(float(row["age"].split("s")[0]) >= 1.9 for row in rows.values()), rows
+    release(linger)
+    assert la.finish() == 128 + signal.SIGTERM
     assert wait_no_tagged(la.tag) == []

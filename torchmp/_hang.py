@@ -24,20 +24,24 @@ gets a report by itself (once per silence, re-armed by new output).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import select
 import shutil
+import signal
 import stat
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 __all__ = [
-    "ProcStat", "RankSample", "HangWatch", "parse_stat", "parse_statm", "read_wchan",
+    "ProcStat", "RankSample", "HangWatch", "ReportThread", "parse_stat", "parse_statm", "read_wchan",
     "state_name", "sample", "format_table", "output_ages", "python_pids_by_group",
     "py_spy_dumps", "write_without_blocking",
 ]
@@ -273,15 +277,22 @@ class HangWatch:
     def report(self, name: str, reason: str, pids: Mapping[int, int], ranks: Iterable[int],
                global_rank: Callable[[int], int], ages: Mapping[int, float | None], now: float,
                proc: str = "/proc") -> str:
-        """Sample every rank and return the report's title and table."""
+        """Sample every rank and return the report's title and table.  Ranks
+        that have exited (a zombie or gone: during a shutdown, most of them)
+        are left out of the table; the title says how many are still running."""
         self.count += 1
         rows: list[tuple[int, RankSample | None, float | None, float | None]] = []
+        total = exited = 0
         for local in ranks:
+            total += 1
             pid = pids.get(local)
             if pid is None:
                 rows.append((global_rank(local), None, None, ages.get(local)))
                 continue
             s = sample(pid, proc)
+            if s.state in ("", "Z", "X", "x"):
+                exited += 1
+                continue
             cpu = None
             if s.state:
                 cpu = (s.cpu_ticks - self._cpu_ticks.get(pid, 0)) / _CLK_TCK
@@ -294,9 +305,105 @@ class HangWatch:
             last = f"last output {now - self.newest_output(ages, now):.1f}s ago"
         else:
             last = "no output seen"
+        running = f"{total - exited} of {total} ranks still running, " if exited else ""
         title = (f"torchmp: hang report {self.count} of {name} ({reason}), "
-                 f"{now - self.started:.1f}s after start, {last}; cpu: {since}\n")
+                 f"{now - self.started:.1f}s after start, {running}{last}; cpu: {since}\n")
         return title + format_table(rows)
+
+
+# ---------------------------------------------------------------------------
+# The thread that makes the reports
+
+
+class ReportThread:
+    """Makes the hang reports of a run on a thread of its own, so that a
+    report asked for at any moment gets made: while the run loop sleeps in
+    the context's wait, and while the launcher is shutting down (the
+    fail-fast grace, the grace after a SIGTERM), when the main thread is
+    busy in ``close()``.
+
+    The report signal reaches it through :func:`signal.set_wakeup_fd`: the
+    interpreter's C-level handler writes the signal's number into a pipe
+    the moment the signal arrives, whatever the main thread is doing -- no
+    Python handler, frame or exception is involved in the wake-up.  The
+    Python-level handler for the signal only has to exist (and does
+    nothing).  The silence timer is the thread's own poll timeout.
+
+    ``due(asked)`` makes the reports that are due (``asked``: the signal
+    came) and returns the seconds until it must be called again (-1: only
+    when the signal comes).  Usage, on the main thread::
+
+        reports = ReportThread(signal.SIGUSR2, due)
+        reports.arm()        # before the launch: signals are caught from now
+        reports.start()      # once there is something to report on
+        ...
+        reports.stop()       # a report in progress is finished first
+    """
+
+    def __init__(self, signum: int, due: Callable[[bool], float]) -> None:
+        self.signum = signum
+        self._due = due
+        self._read_fd = self._write_fd = -1
+        self._previous_wakeup_fd = -1
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    def arm(self) -> None:
+        """Install the signal's (empty) handler and the wake-up pipe; main
+        thread only.  Signals that arrive before start() wait in the pipe."""
+        if self._read_fd >= 0:
+            return
+        self._read_fd, self._write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.signal(self.signum, _wake_only)
+        self._previous_wakeup_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+
+    def start(self) -> None:
+        if self._read_fd < 0 or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="torchmp-hang-reports", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asked = False
+        while not self._stopping:
+            timeout = self._due(asked)
+            asked = False
+            ready = select.poll()
+            ready.register(self._read_fd, select.POLLIN)
+            if not ready.poll(-1 if timeout < 0 else max(1, math.ceil(timeout * 1000))):
+                continue
+            try:
+                data = os.read(self._read_fd, 4096)
+            except BlockingIOError:
+                continue
+            asked = self.signum in data
+
+    def stop(self, timeout: float = PY_SPY_TIMEOUT + 5) -> None:
+        """Stop the thread (after the report it is making, waiting at most
+        timeout seconds) and give the wake-up fd back; main thread only."""
+        if self._read_fd < 0:
+            return
+        self._stopping = True
+        try:
+            os.write(self._write_fd, b"\0")
+        except OSError:
+            pass  # full: the thread has a wake-up to read anyway
+        if self._thread is not None:
+            self._thread.join(timeout)
+        replaced = signal.set_wakeup_fd(self._previous_wakeup_fd)
+        if replaced != self._write_fd:
+            signal.set_wakeup_fd(replaced)  # someone else's since ours: leave it
+        if self._thread is None or not self._thread.is_alive():
+            # (Never closed under a thread still polling it: the number
+            # could be reused before its poll returns.)
+            os.close(self._read_fd)
+        os.close(self._write_fd)
+        self._read_fd = self._write_fd = -1
+
+
+def _wake_only(signum: int, frame: FrameType | None) -> None:
+    """The report signal's Python handler: nothing to do, the wake-up fd
+    has already woken the report thread."""
 
 
 # ---------------------------------------------------------------------------

@@ -52,10 +52,8 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
-from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO
 
 from torchmp import _console, _hang
@@ -147,40 +145,6 @@ def _configure_logging() -> None:
     log.propagate = False
 
 
-#: How soon a report signal that landed outside the context's wait is sent
-#: again (doubling, up to 1 s, while it keeps landing there).
-_REDELIVERY_FIRST = 0.05
-
-
-class _ReportRequested(Exception):
-    """Raised by the report signal's handler, and only where the run loop
-    sleeps in the context's ``wait``: it unwinds that wait and nothing else."""
-
-
-def _wait_codes(ctx: Any) -> frozenset[Any]:
-    """The code objects of ``wait`` along the context's class hierarchy."""
-    codes = set()
-    for cls in type(ctx).__mro__:
-        code = getattr(cls.__dict__.get("wait"), "__code__", None)
-        if code is not None:
-            codes.add(code)
-    return frozenset(codes)
-
-
-def _in_wait(frame: FrameType | None, codes: frozenset[Any]) -> bool:
-    """Whether a signal handler interrupted the context's ``wait`` itself
-    (asleep in the native wait, or between its own statements, which only
-    read), not something it called (fail-fast, building the result), where
-    an exception would cut work short.  A build with Cython profiling shows
-    the native ``Group.wait`` as a frame of its own, called from that wait."""
-    if frame is None:
-        return False
-    if frame.f_code in codes:
-        return True
-    back = frame.f_back
-    return frame.f_code.co_name == "wait" and back is not None and back.f_code in codes
-
-
 class _Run:
     def __init__(self, plan: _Plan) -> None:
         self.plan = plan
@@ -190,10 +154,10 @@ class _Run:
         self.started = time.monotonic()
         self.specs: _AnnouncingLogsSpecs | None = None
         self.hang = _hang.HangWatch(plan.hang_report_after, self.started)
-        self._sleeping = False      # in the run loop's ctx.wait
-        self._wait_code_set: frozenset[Any] = frozenset()
-        self._redelivery_pending = False
-        self._redelivery_delay = _REDELIVERY_FIRST
+        # The reports are made on a thread of their own, woken by the report
+        # signal or the silence timer, so that the main thread may be
+        # anywhere (asleep in the wait, in a fail-fast or a shutdown grace).
+        self.reports = _hang.ReportThread(REPORT_SIGNAL, self._reports_due)
         self._py_spy_hint = True
         #: Where each local rank runs, for --report-bindings (else empty).
         self.bindings: dict[int, str] = {}
@@ -245,62 +209,37 @@ class _Run:
     # -- hang reports -------------------------------------------------------
     def install_report_handler(self) -> None:
         """SIGUSR2 asks for a hang report -- unless TORCHELASTIC_SIGNALS_TO_HANDLE
-        names it: start_processes then makes it stop the job, as asked."""
+        names it: start_processes then makes it stop the job, as asked.
+        From now on the signal is caught; its reports start with the
+        launch (start_reports)."""
         if REPORT_SIGNAL not in handled_signals():
-            signal.signal(REPORT_SIGNAL, self._on_report_signal)
+            self.reports.arm()
 
-    def _on_report_signal(self, signum: int, frame: FrameType | None) -> None:
-        # Runs on the main thread.  The report is made by the run loop, not
-        # here: a flag, and a wake-up for the loop if it is asleep.
-        self.hang.requested = True
-        if not self._sleeping:
-            return  # the loop looks at the flag before it waits again
-        if _in_wait(frame, self._wait_code_set):
-            raise _ReportRequested()
-        # Inside what the wait called (an exit being handled: not to be cut
-        # short).  The wait may go back to sleep: ask it again in a moment.
-        self._redeliver()
+    def start_reports(self) -> None:
+        """Make reports from now on (once the context exists)."""
+        if self.ctx is not None:
+            self.reports.start()
 
-    def _redeliver(self) -> None:
-        """Send the report signal to the main thread again in a moment: one
-        at a time, less often the longer the wait stays busy (a fail-fast
-        shutdown can take its whole grace period)."""
-        if self._redelivery_pending:
-            return
-        self._redelivery_pending = True
-        delay = self._redelivery_delay
-        self._redelivery_delay = min(2 * delay, 1.0)
-        main = threading.main_thread().ident
-
-        def again() -> None:
-            self._redelivery_pending = False
-            if self.hang.requested and self._sleeping and main is not None:
-                signal.pthread_kill(main, REPORT_SIGNAL)
-
-        timer = threading.Timer(delay, again)
-        timer.daemon = True
-        timer.start()
-
-    def _reports_due(self) -> float:
-        """Make the reports that are due; the timeout for the next wait
-        (-1: none, the wait is woken by the exits and the signal alone)."""
-        if self.hang.requested:
-            self.hang.requested = False
-            self._redelivery_delay = _REDELIVERY_FIRST
-            self._try_report(f"asked by {REPORT_SIGNAL.name}")
-        if self.hang.after is None:
+    def _reports_due(self, asked: bool) -> float:
+        """On the report thread: make the reports that are due; the seconds
+        until the next check (-1: none, only the signal wakes it)."""
+        try:
+            if asked:
+                self._try_report(f"asked by {REPORT_SIGNAL.name}")
+            if self.hang.after is None:
+                return -1.0
+            due, next_check = self.hang.check(_hang.output_ages(self.ctx), time.monotonic())
+            if due:
+                self._try_report(f"no output for {self.hang.after:g}s")
+            return max(0.01, next_check)
+        except Exception as e:
+            _say(f"hang report failed: {type(e).__name__}: {e}")
             return -1.0
-        due, next_check = self.hang.check(_hang.output_ages(self.ctx), time.monotonic())
-        if due:
-            self._try_report(f"no output for {self.hang.after:g}s")
-        return max(0.01, next_check)
 
     def _try_report(self, reason: str) -> None:
         # A report is a diagnosis: whatever goes wrong in it, the job goes on.
         try:
             self.hang_report(reason)
-        except SignalException:
-            raise
         except Exception as e:
             _say(f"hang report failed: {type(e).__name__}: {e}")
 
@@ -346,25 +285,18 @@ class _Run:
         return "".join(parts)
 
     def wait(self) -> None:
-        """The context's wait, woken also for the hang reports that are due."""
-        self._wait_code_set = _wait_codes(self.ctx)
-        while True:
-            timeout = self._reports_due()
-            self._sleeping = True
-            try:
-                result = self.ctx.wait(timeout)
-            except _ReportRequested:
-                continue
-            finally:
-                self._sleeping = False
-            if result is not None:
-                self.result = result
-                return
+        """The context's wait (the report thread makes the hang reports)."""
+        self.start_reports()
+        result = None
+        while result is None:
+            result = self.ctx.wait()
+        self.result = result
 
     def shut_down(self, sig: signal.Signals) -> None:
         """Terminate the workers with ``sig``; a second signal means SIGKILL now."""
         self.signal = self.signal or sig
         if self.ctx is not None:
+            self.start_reports()  # a report asked for during the grace is made too
             close_despite_interrupts(self.ctx, sig, self.plan.shutdown_timeout)
             self.result = self.ctx.wait(0)
 
@@ -490,6 +422,7 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
                     os.fsdecode(e.filename) in (plan.command[0], os.path.basename(plan.command[0])):
                 return 127 if isinstance(e, FileNotFoundError) else 126
             return 1
+        run.reports.stop()  # the workers are gone: no report after the summary
         run.report()
         return run.exit_code()
     except SignalException as e:
@@ -499,3 +432,4 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
     finally:
         if run.ctx is not None:
             close_despite_interrupts(run.ctx, signal.SIGKILL, 0)
+        run.reports.stop()
