@@ -165,7 +165,9 @@ class ProcessFailure:
       torch's; with no error file, the report shows the tail instead (see
       :attr:`headline` and :func:`last_words`).
     * ``cause``: what the launcher found out about the death beyond the exit
-      status, e.g. ``"killed by the kernel OOM killer (...)"``; added to ``message``.
+      status, e.g. ``"killed by the kernel OOM killer (...)"`` (the kernel's log
+      names the rank) or ``"an OOM kill in the same cgroup at 14:02:08 may be
+      related"``; added to ``message``.
     """
 
     local_rank: int
