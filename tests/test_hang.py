@@ -746,8 +746,8 @@ def test_sigusr2_during_the_grace_after_sigterm(launcher, tmp_path):
     got_term(la, 3)
     for number in (1, 2):                          # as often as asked
         la.proc.send_signal(signal.SIGUSR2)
-        la.wait_for(lambda: any(f"hang report {number} saved in" in line for line in la.err), 10,
-                    f"report {number}")
+        saved = f"hang report {number} saved in"
+        la.wait_for(lambda saved=saved: any(saved in line for line in la.err), 10, f"report {number}")
         title, rows = parse_report(la.err, number)
         assert title.group(3) == "asked by SIGUSR2" and sorted(rows) == [0, 1, 2], la.err
         assert all(row["state"] == "sleeping" for row in rows.values()), rows
