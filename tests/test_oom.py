@@ -17,7 +17,6 @@ import json
 import os
 import re
 import signal
-import socket
 import sys
 import textwrap
 import time
@@ -225,56 +224,43 @@ def test_parse_kmsg_record() -> None:
         assert _oom.parse_kmsg_record(bad) is None, bad
 
 
-def fake_log() -> tuple[_oom.KernelLog, socket.socket]:
-    """A KernelLog reading records the test sends (a seqpacket socket keeps
-    one record per read, as /dev/kmsg does)."""
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    ours.setblocking(False)
-    return _oom.KernelLog(ours.detach()), theirs
+def test_oom_kills_kernel_records_only() -> None:
+    records = [b"6,1,100,-;random driver message\n", SUMMARY, KILLED,
+               # a process writing to /dev/kmsg is facility 1 (user), never 0
+               b"11,3,300474900,-;Killed process 4242 (python3) total-vm:1kB\n",
+               b"12,4,300474901,-;oom-kill:constraint=X,task_memcg=/job,task=x,pid=4243,uid=0\n",
+               # a kill whose summary line the kernel rate-limited away
+               b"3,5,300475000,-;Out of memory: Killed process 77 (java) total-vm:1kB\n",
+               b"6,6,300475100,-;oom_reaper: reaped process 77 (java), now anon-rss:0kB\n",
+               # a summary whose Killed line is not logged yet (a kill in progress)
+               b"6,7,300475200,-;oom-kill:constraint=CONSTRAINT_MEMCG,oom_memcg=/a,b,task_memcg=/a,b,"
+               b"task=odd,pid=1,pid=9,uid=0\n"]
+    assert _oom.oom_kills(records) == [_oom.OomKill(8275, 300474831000, "/job/sub"),
+                                       _oom.OomKill(77, 300475000000, None),
+                                       _oom.OomKill(9, 300475200000, "/a,b")]
+    assert _oom.oom_kills([]) == []
 
 
-def test_kernel_log_takes_kernel_oom_kills_only() -> None:
-    log, feed = fake_log()
+def test_read_kernel_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _oom.read_kernel_log(str(tmp_path / "missing")) is None
+    # A FIFO with a record in it stands in for /dev/kmsg: read to EAGAIN.
+    fifo = tmp_path / "kmsg"
+    os.mkfifo(fifo)
+    w = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
     try:
-        for record in (b"6,1,100,-;random driver message\n", SUMMARY, KILLED,
-                       # a process writing to /dev/kmsg is facility 1 (user), never 0
-                       b"11,3,300474900,-;Killed process 4242 (python3) total-vm:1kB\n",
-                       b"3,4,300475000,-;Out of memory: Killed process 77 (java) total-vm:1kB\n",
-                       b"6,5,300475100,-;oom_reaper: reaped process 77 (java), now anon-rss:0kB\n"):
-            feed.send(record)
-        log.read()
-        assert log.kills == [_oom.OomKill(8275, 300474842000, "/job/sub"),
-                             _oom.OomKill(77, 300475000000, None)]
-        assert not log.lost
-        log.read()  # nothing new
-        assert len(log.kills) == 2
+        os.write(w, KILLED)
+        assert _oom.read_kernel_log(str(fifo)) == [KILLED]
     finally:
-        log.close()
-        feed.close()
-    log.read()  # closed: a no-op
+        os.close(w)
+    monkeypatch.setattr(_oom, "_namespaces", (os.getpid(), False))
+    assert _oom.read_kernel_log(str(fifo)) is None     # another pid or cgroup namespace
 
 
 def clock(mono_ns: int) -> str:
     return time.strftime("%H:%M:%S", time.localtime((time.time_ns() - time.monotonic_ns() + mono_ns) / 1e9))
 
 
-@pytest.fixture
-def counter(tmp_path: Path) -> Callable[[int], None]:
-    """set(n): the fixture cgroup's memory.oom_control reads oom_kill n."""
-    ctl = tmp_path / "memory.oom_control"
-
-    def set_count(n: int) -> None:
-        ctl.write_text(OOM_CONTROL.replace("oom_kill 7", f"oom_kill {n}"))
-    set_count(0)
-    return set_count
-
-
-def v1_watch(tmp_path: Path, log: _oom.KernelLog | None) -> OomWatch:
-    cg = MemCgroup(1, "/job", str(tmp_path / "memory.oom_control"))
-    return OomWatch(cg, _oom.read_oom_kills(cg), log)
-
-
-def kill_record(seq: int, pid: int, mono_ns: int, memcg: str | None) -> list[bytes]:
+def kill_records(seq: int, pid: int, mono_ns: int, memcg: str | None) -> list[bytes]:
     usec = mono_ns // 1000
     records = [f"3,{seq},{usec},-;Memory cgroup out of memory: Killed process {pid} (python3) "
                "total-vm:1kB\n".encode()]
@@ -285,104 +271,122 @@ def kill_record(seq: int, pid: int, mono_ns: int, memcg: str | None) -> list[byt
     return records
 
 
-def test_watch_names_only_the_pid_the_kernel_log_names(tmp_path: Path, counter: Callable[[int], None]) -> None:
-    log, feed = fake_log()
-    watch = v1_watch(tmp_path, log)
-    try:
-        now = time.monotonic_ns()
-        helper_kill = now - 3_000_000_000
-        for record in [*kill_record(10, 500, helper_kill, "/job"), *kill_record(20, 600, now, "/job")]:
-            feed.send(record)
-        counter(2)
-        # The victim: named, with the counter and the record as evidence.
-        assert watch.explain(600, now + 1000) == (
-            "killed by the kernel OOM killer (memory cgroup /job: oom_kill 0 -> 2; "
-            f"the kernel log names pid 600 at {clock(now)})")
-        # A rank SIGKILLed by hand after the helper's kill: not named; the
-        # helper's kill (the last before its exit) may be related.
-        assert watch.explain(700, now - 1_000_000_000) == (
-            f"an OOM kill in the same cgroup at {clock(helper_kill)} may be related")
-        # A rank that exited before any kill: the log is complete, nothing to say.
-        assert watch.explain(800, now - 10_000_000_000) is None
-    finally:
-        watch.stop()
-        feed.close()
-    # Stopped: what was read stays, nothing more is read.
-    assert watch.explain(600, now) is not None and log._file is None
+class Fixture:
+    """A v1 watch on a fixture counter file, and a kernel log the test writes."""
+
+    def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, version: int = 1) -> None:
+        self.file = tmp_path / ("memory.oom_control" if version == 1 else "memory.events")
+        self.version = version
+        self.log: list[bytes] | None = []
+        self.reads = 0
+        self.count(0)
+        monkeypatch.setattr(_oom, "read_kernel_log", self._read_log)
+        cg = MemCgroup(version, "/job", str(self.file))
+        self.watch = OomWatch(cg, _oom.read_oom_kills(cg) or 0)
+
+    def _read_log(self) -> list[bytes] | None:
+        self.reads += 1
+        return None if self.log is None else list(self.log)
+
+    def count(self, n: int) -> None:
+        self.file.write_text(OOM_CONTROL.replace("oom_kill 7", f"oom_kill {n}") if self.version == 1
+                             else MEMORY_EVENTS.replace("oom_kill 2", f"oom_kill {n}"))
+
+    def kill(self, pid: int, mono_ns: int, memcg: str | None = "/job") -> None:
+        assert self.log is not None
+        self.log += kill_records(len(self.log) + 2, pid, mono_ns, memcg)
 
 
-def test_watch_kills_in_other_cgroups_say_nothing(tmp_path: Path, counter: Callable[[int], None]) -> None:
-    log, feed = fake_log()
-    watch = v1_watch(tmp_path, log)
-    try:
-        now = time.monotonic_ns()
-        # v1 counts a kill in the victim's own cgroup only: /job/sub is not /job.
-        for record in [*kill_record(10, 500, now, "/other"), *kill_record(20, 501, now, "/job/sub")]:
-            feed.send(record)
-        assert watch.explain(700, now) is None
-        # A kill whose cgroup the kernel did not log (rate-limited) counts if
-        # our counter rose.
-        feed.send(kill_record(30, 502, now, None)[0])
-        assert watch.explain(700, now) is None
-        counter(1)
-        assert watch.explain(700, now) == f"an OOM kill in the same cgroup at {clock(now)} may be related"
-    finally:
-        watch.stop()
-        feed.close()
+@pytest.fixture
+def fx(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Fixture:
+    return Fixture(tmp_path, monkeypatch)
 
 
-def test_watch_v2_cgroup_of_a_kill(tmp_path: Path) -> None:
-    events = tmp_path / "memory.events"
-    events.write_text("oom_kill 0\n")
-    log, feed = fake_log()
-    watch = OomWatch(MemCgroup(2, "/job", str(events)), 0, log)
-    try:
-        now = time.monotonic_ns()
-        for record in kill_record(10, 500, now, "/job/rank1"):
-            feed.send(record)
-        # v2 counts a kill in a descendant too: the same cgroup for the hint.
-        assert watch.explain(700, now) == f"an OOM kill in the same cgroup at {clock(now)} may be related"
-    finally:
-        watch.stop()
-        feed.close()
+def test_watch_names_only_the_pid_the_kernel_log_names(fx: Fixture) -> None:
+    now = time.monotonic_ns()
+    fx.kill(500, now - 9_000_000_000)          # before the start: not counted
+    fx.kill(501, now - 3_000_000_000)          # a helper
+    fx.kill(600, now)                          # the victim
+    fx.count(2)
+    fx.watch.stop()                            # the look before the reap
+    assert fx.watch.explain(600, now + 1000) == (
+        "killed by the kernel OOM killer (memory cgroup /job: oom_kill 0 -> 2; "
+        f"the kernel log names pid 600 at {clock(now)})")
+    # SIGKILLed by hand after the helper's kill: the helper's kill (the last
+    # before its exit) may be related; nothing names it.
+    assert fx.watch.explain(700, now - 1_000_000_000) == (
+        f"an OOM kill in the same cgroup at {clock(now - 3_000_000_000)} may be related")
+    # A rank that exited before both kills: nothing to say.
+    assert fx.watch.explain(800, now - 10_000_000_000) is None
+    # pid 500 was killed before the start: a pid reused since is not its.
+    assert fx.watch.explain(500, now) == f"an OOM kill in the same cgroup at {clock(now)} may be related"
+    # After stop(), neither the counter nor the log is read again.
+    reads = fx.reads
+    fx.count(5)
+    fx.kill(900, now)
+    assert "names pid 600" in (fx.watch.explain(600, now) or "") and fx.watch.explain(900, now) is not None
+    assert fx.reads == reads and "names pid 900" not in (fx.watch.explain(900, now) or "")
 
 
-def test_watch_without_the_kernel_log_never_names(tmp_path: Path, counter: Callable[[int], None]) -> None:
-    watch = v1_watch(tmp_path, None)
-    assert watch.explain(600, time.monotonic_ns()) is None   # no kill: a plain SIGKILL
+def test_watch_reads_the_log_only_when_the_counter_moved(fx: Fixture) -> None:
+    fx.kill(600, time.monotonic_ns())          # a kill in the log, but not since the start
+    assert fx.watch.explain(600) is None and fx.reads == 0
+
+
+def test_watch_counts_kills_of_its_own_cgroup(fx: Fixture) -> None:
+    now = time.monotonic_ns()
+    fx.kill(600, now)                          # ours
+    fx.kill(601, now, "/other")                # v1: only kills in /job itself count
+    fx.kill(602, now, "/job/sub")
+    fx.count(1)
+    assert "names pid 600" in (fx.watch.explain(600, now) or "")
+    assert fx.watch.explain(601, now) == f"an OOM kill in the same cgroup at {clock(now)} may be related"
+
+
+def test_watch_v2_counts_the_subtree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fx = Fixture(tmp_path, monkeypatch, version=2)
+    now = time.monotonic_ns()
+    fx.kill(600, now, "/job/rank1")
+    fx.kill(601, now, "/jobs")
+    fx.count(1)
+    assert "names pid 600" in (fx.watch.explain(600, now) or "")
+
+
+@pytest.mark.parametrize("case", ["unreadable", "too-short", "rate-limited"])
+def test_watch_that_cannot_tell_names_nobody(fx: Fixture, case: str) -> None:
+    now = time.monotonic_ns()
+    fx.kill(600, now)
+    fx.count(1)
+    if case == "unreadable":
+        fx.log = None
+    elif case == "too-short":
+        fx.count(2)                            # two kills counted, one left in the log
+    else:
+        fx.kill(601, now, memcg=None)          # a newer kill of unknown cgroup
+    hint = fx.watch.explain(600, now)
+    assert hint is not None and re.fullmatch(
+        r"an OOM kill in the same cgroup between (\d\d:\d\d:\d\d) and (\d\d:\d\d:\d\d) may be related", hint), hint
+
+
+def test_watch_counter_hint_brackets_the_rise(fx: Fixture) -> None:
+    fx.log = None
     exit_ns = time.monotonic_ns()
-    counter(1)
-    # The counter cannot tell whose kill it counted: a hint, placed between
-    # the look at the start and this one.
-    hint = watch.explain(600, exit_ns)
+    fx.count(1)
+    hint = fx.watch.explain(600, exit_ns)
     m = re.fullmatch(r"an OOM kill in the same cgroup between (\d\d:\d\d:\d\d) and (\d\d:\d\d:\d\d) "
                      r"may be related", hint or "")
     assert m, hint
-    assert m.group(1) == clock(watch._counts[0][0]) and m.group(2) == clock(watch._counts[1][0])
+    assert m.group(1) == clock(fx.watch._counts[0][0]) and m.group(2) == clock(fx.watch._counts[1][0])
 
 
-def test_watch_counter_rise_after_the_exit_is_not_related(tmp_path: Path,
-                                                          counter: Callable[[int], None]) -> None:
-    watch = v1_watch(tmp_path, None)
+def test_watch_counter_rise_after_the_exit_is_not_related(fx: Fixture) -> None:
+    fx.log = None
     exit_ns = time.monotonic_ns()
-    watch.stop()                  # a look after the exit: no kill yet
-    counter(1)
-    assert watch.explain(600, exit_ns) is None
+    fx.watch.explain(None)                     # a look after the exit: no kill yet
+    fx.count(1)
+    assert fx.watch.explain(600, exit_ns) is None
     # A rank that exited after that look: the rise may be of its life.
-    assert watch.explain(601, time.monotonic_ns()) is not None
-
-
-def test_watch_lost_records_fall_back_to_the_counter(tmp_path: Path, counter: Callable[[int], None]) -> None:
-    log, feed = fake_log()
-    watch = v1_watch(tmp_path, log)
-    try:
-        log.lost = True           # the ring overwrote records before they were read
-        counter(1)
-        hint = watch.explain(600, time.monotonic_ns())
-        assert hint is not None and " between " in hint and "killed by" not in hint
-    finally:
-        watch.stop()
-        feed.close()
+    assert fx.watch.explain(601, time.monotonic_ns()) is not None
 
 
 @pytest.mark.parametrize("content", [None, "", "garbage", OOM_CONTROL_OLD, "oom_kill 1"])
@@ -405,6 +409,7 @@ def test_watch_v2_rank_cgroup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         12: MemCgroup(2, "/elsewhere", "-"), 13: None,
     }
     monkeypatch.setattr(_oom, "memory_cgroup", lambda pid="self": rank[pid])
+    monkeypatch.setattr(_oom, "read_kernel_log", lambda: None)   # the counter alone
     assert watch.explain(10) is not None       # same cgroup
     assert watch.explain(11) is not None       # a descendant: v2 counts hierarchically
     assert watch.explain(12) is None           # not ours: the rise is someone else's
@@ -416,7 +421,6 @@ def test_start_watch_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
         raise OSError(errno.EACCES, "denied")
     monkeypatch.setattr(_oom, "_mounts", None)
     monkeypatch.setattr(_oom, "_read", boom)
-    monkeypatch.setattr(_oom, "KMSG_PATH", "/nonexistent/kmsg")
     assert _oom.start_watch() is None
     assert _oom.memory_cgroup(1) is None
 
@@ -430,13 +434,10 @@ def test_live_system_does_not_raise() -> None:
     cg = _oom.memory_cgroup()
     watch = _oom.start_watch()
     if watch is not None:
-        try:
-            assert watch.cgroup == cg
-            assert watch.explain(os.getpid()) is None
-            assert watch.explain(None) is None
-        finally:
-            watch.stop()
-        assert watch.kernel_log is None or watch.kernel_log._file is None
+        assert watch.cgroup == cg
+        assert watch.explain(os.getpid()) is None
+        assert watch.explain(None) is None
+        watch.stop()
 
 
 def test_mount_table_read_once(monkeypatch: pytest.MonkeyPatch) -> None:

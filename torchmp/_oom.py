@@ -2,62 +2,70 @@
 
 A rank that dies of a SIGKILL torchmp did not send was often killed by the
 OOM killer, but the exit status alone cannot say so, and neither can a
-cgroup's OOM-kill count alone: it says that *some* process of the cgroup
-was killed (a rank's helper, another job's process), not which one.  So::
+cgroup's OOM-kill counter alone: it says that *some* process of the cgroup
+was killed (a rank's helper, another job's process), not which one::
 
-    watch = start_watch()        # at launch; None: nothing readable
+    watch = start_watch()        # at launch; None: no readable memory cgroup
     ...
+    watch.stop()                 # at close, before the ranks' zombies are reaped
     watch.explain(pid, exit_mono_ns)
     # 'killed by the kernel OOM killer (memory cgroup /job: oom_kill 0 -> 1;
     #  the kernel log names pid 8275 at 14:02:11)'
     # or 'an OOM kill in the same cgroup at 14:02:08 may be related'
     # or None
-    watch.stop()                 # before the ranks' zombies are reaped
 
 The evidence, on cgroup v1 and v2 alike:
 
-* The kernel's log (``/dev/kmsg``): the OOM killer logs every kill as
-  ``Killed process <pid> (<name>) ...``, and (rate-limited) the victim's
-  cgroup in an ``oom-kill:...,task_memcg=...,pid=<pid>`` line.  The watch
-  opens the log at launch positioned at its end, so it reads exactly the
-  records logged while the context ran, and takes the last of them while
-  the ranks' zombies still pin their pids (:meth:`OomWatch.stop`): a record
-  naming a rank's pid is that rank's.  This is the only evidence that names
-  a rank.  It needs read access to the log (root or CAP_SYSLOG, or anyone
-  when ``kernel.dmesg_restrict`` is 0) and a launcher in the initial pid
-  and cgroup namespaces (where the kernel's pids and paths are ours).
 * The memory cgroup's counter (v2 ``memory.events``, v1
   ``memory.oom_control``, key ``oom_kill``; v2 counts kills in the subtree,
-  v1 in the cgroup itself only).  It only ever supports "an OOM kill in the
-  same cgroup ... may be related": at the time the kernel logged a kill in
-  the launcher's cgroup during the rank's life; without the log, between
-  the two looks at the counter that bracket its rise.  On v2 a rank whose
-  zombie lies outside the launcher's cgroup gets no such hint.
+  v1 in the cgroup itself only), read at launch and at close: ``n`` kills
+  in the launcher's cgroup while the context ran.  The kernel raises it
+  before it sends the SIGKILL.
+* The kernel's log (``/dev/kmsg``), read only when the counter moved,
+  before the ranks' zombies are reaped (so that the pids in it are still
+  theirs): the OOM killer logs each kill as ``oom-kill:...,task_memcg=
+  <cgroup>,...,pid=<pid>`` and ``Killed process <pid> (...)``.  The last
+  ``n`` kills it lists in the launcher's cgroup are exactly the kills the
+  counter counted -- no clock involved (the log's timestamps drift from
+  CLOCK_MONOTONIC).  A rank whose pid is among them was the OOM killer's;
+  this is the only evidence that names a rank.  Where that cannot be told
+  for sure -- the log unreadable (it needs root or CAP_SYSLOG, or
+  ``kernel.dmesg_restrict`` = 0), a launcher outside the initial pid and
+  cgroup namespaces (whose pids and paths the log uses), a newer kill whose
+  cgroup line the kernel rate-limited away, kills older than the log
+  reaches -- no rank is named.
+* Any other SIGKILL while the counter moved gets "an OOM kill in the same
+  cgroup ... may be related": at the kernel's time of the last of those
+  kills before the rank's exit, or, without the log, between the two looks
+  at the counter that bracket its rise.  On v2 a rank whose zombie lies
+  outside the launcher's cgroup gets no such hint.
 
 Nothing here raises for a missing or unreadable controller, file or log:
-the answer is then None.  Standard library only; cost per launch: one read
-of /proc/self/cgroup and one of the counter file (the mount table is read
-once per process), and the open of /dev/kmsg (one fd per running context).
+the answer is then None.  Standard library only; cost per context: one read
+of /proc/self/cgroup and of the counter file at launch (the mount table is
+read once per process), the counter again at close; no descriptor is held.
+The kernel's log is read (whole) only after an OOM kill in the cgroup.
 """
 from __future__ import annotations
 
-import io
 import os
 import re
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 __all__ = [
-    "KernelLog",
     "MemCgroup",
     "Mount",
     "OomKill",
     "OomWatch",
     "memory_cgroup",
+    "oom_kills",
     "parse_kmsg_record",
     "parse_memory_events",
     "parse_mountinfo",
     "parse_oom_control",
+    "read_kernel_log",
     "read_oom_kills",
     "resolve_memory_cgroup",
     "start_watch",
@@ -247,8 +255,8 @@ class OomKill:
     """One OOM kill as the kernel logged it."""
 
     pid: int             # as the initial pid namespace sees it
-    mono_ns: int         # the record's time (printk's clock: CLOCK_MONOTONIC)
-    memcg: str | None    # the victim's memory cgroup, when the kernel said
+    mono_ns: int         # the record's time (printk's clock, close to CLOCK_MONOTONIC)
+    memcg: str | None    # the victim's memory cgroup; None where the kernel left it out
 
 
 def parse_kmsg_record(record: bytes) -> tuple[int, int, int, bytes] | None:
@@ -265,70 +273,60 @@ def parse_kmsg_record(record: bytes) -> tuple[int, int, int, bytes] | None:
     return prefix >> 3, seq, usec, rest.split(b"\n", 1)[0]
 
 
-class KernelLog:
-    """The kernel's records of OOM kills since it was opened, from
-    /dev/kmsg (readable by root or CAP_SYSLOG, or by anyone when
-    kernel.dmesg_restrict is 0).  Only kernel records count (facility 0: a
-    process writing to /dev/kmsg cannot make one)."""
+def oom_kills(records: Iterable[bytes]) -> list[OomKill]:
+    """The OOM kills in /dev/kmsg records, oldest first.  Each kill is an
+    ``oom-kill:...,task_memcg=<cgroup>,...,pid=<pid>`` line (rate-limited by
+    the kernel: it may be missing) and then ``Killed process <pid> (...)``
+    (always there).  Only kernel records count (facility 0: a process
+    writing to /dev/kmsg cannot make one)."""
+    kills: list[OomKill] = []
+    summarized: set[int] = set()   # pids whose summary came, their Killed line not yet
+    for record in records:
+        parsed = parse_kmsg_record(record)
+        if parsed is None or parsed[0] != 0:
+            continue
+        _, _, usec, message = parsed
+        summary = _SUMMARY.search(message)
+        if summary is not None:
+            pid = int(summary.group(2))
+            kills.append(OomKill(pid, usec * 1000, summary.group(1).decode("utf-8", "surrogateescape")))
+            summarized.add(pid)
+            continue
+        killed = _KILLED.search(message)
+        if killed is not None:
+            pid = int(killed.group(1))
+            if pid in summarized:
+                summarized.discard(pid)
+            else:
+                kills.append(OomKill(pid, usec * 1000, None))
+    return kills
 
-    def __init__(self, fd: int) -> None:
-        self._file: io.FileIO | None = io.FileIO(fd, "rb", closefd=True)
-        self.kills: list[OomKill] = []
-        self.lost = False              # records were overwritten before read
-        self._memcg: dict[int, str] = {}
 
-    @classmethod
-    def open(cls, path: str | None = None) -> KernelLog | None:
-        """The log (KMSG_PATH) from now on, or None where it cannot be read
-        or its pids and cgroup paths are not the ones this process sees."""
-        if not _in_init_namespaces():
-            return None
+def read_kernel_log(path: str | None = None, attempts: int = 3) -> list[bytes] | None:
+    """Every record in the kernel's log (KMSG_PATH), oldest first, or None
+    where it cannot be read (root or CAP_SYSLOG, or anyone when
+    kernel.dmesg_restrict is 0) or keeps being overwritten while read, or
+    where its pids and cgroup paths are not the ones this process sees."""
+    if not _in_init_namespaces():
+        return None
+    for _ in range(attempts):
         try:
             fd = os.open(path or KMSG_PATH, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:
             return None
+        records: list[bytes] = []
         try:
-            os.lseek(fd, 0, os.SEEK_END)
-            return cls(fd)
+            while True:
+                records.append(os.read(fd, 8192))   # one record per read
+        except BlockingIOError:                     # the end
+            return records
+        except BrokenPipeError:                     # overwritten under us: again
+            continue
         except OSError:
-            os.close(fd)
             return None
-
-    def read(self) -> None:
-        """Take in the records logged since the last read."""
-        f = self._file
-        while f is not None:
-            try:
-                record = f.read(8192)
-            except BrokenPipeError:    # overwritten before we read them
-                self.lost = True
-                continue
-            except OSError:
-                self.lost = True
-                self.close()
-                return
-            if not record:             # None: nothing new (EAGAIN)
-                return
-            self._take(record)
-
-    def _take(self, record: bytes) -> None:
-        parsed = parse_kmsg_record(record)
-        if parsed is None or parsed[0] != 0:
-            return
-        _, _, usec, message = parsed
-        summary = _SUMMARY.search(message)
-        if summary is not None:
-            self._memcg[int(summary.group(2))] = summary.group(1).decode("utf-8", "surrogateescape")
-            return
-        killed = _KILLED.search(message)
-        if killed is not None:
-            pid = int(killed.group(1))
-            self.kills.append(OomKill(pid, usec * 1000, self._memcg.pop(pid, None)))
-
-    def close(self) -> None:
-        f, self._file = self._file, None
-        if f is not None:
-            f.close()
+        finally:
+            os.close(fd)
+    return None
 
 
 _namespaces: tuple[int, bool] | None = None
@@ -347,10 +345,26 @@ def _in_init_namespaces() -> bool:
     return _namespaces[1]
 
 
+def _last_kills(kills: list[OomKill], count: int, ours: Callable[[str], bool]) -> list[OomKill] | None:
+    """The last ``count`` kills of our cgroup, or None if they cannot be
+    told for sure: a newer kill whose cgroup the kernel did not log, or
+    fewer than count left in the log (the oldest were overwritten)."""
+    found: list[OomKill] = []
+    for kill in reversed(kills):
+        if len(found) == count:
+            break
+        if kill.memcg is None:
+            return None
+        if ours(kill.memcg):
+            found.append(kill)
+    return found[::-1] if len(found) == count else None
+
+
 # --- explaining a SIGKILL -------------------------------------------------------------
 
 # How much later than a rank's exit (the launcher's clock) a kernel record
-# may be stamped and still be of its life: the two clocks can drift apart.
+# may be stamped and still count as before it: printk's clock is not
+# steered by NTP and drifts from CLOCK_MONOTONIC.
 CLOCK_SLACK_NS = 5_000_000_000
 
 
@@ -361,83 +375,86 @@ def _clock(mono_ns: int) -> str:
 
 
 class OomWatch:
-    """What tells a rank's SIGKILL by the OOM killer from any other SIGKILL:
-    the kernel's log of the kills since the context started (it names the
-    victim's pid), and the memory cgroup's OOM-kill counter (it says only
-    that someone in the cgroup was killed, so it alone names no rank)."""
+    """What tells a rank's SIGKILL by the OOM killer from any other SIGKILL.
 
-    def __init__(self, cgroup: MemCgroup | None, before: int | None,
-                 kernel_log: KernelLog | None = None) -> None:
+    The cgroup's counter says how many processes of the launcher's memory
+    cgroup were OOM-killed since the start -- ``n`` -- but not which.  The
+    kernel's log says which: its last ``n`` kills in that cgroup are exactly
+    those (read before the ranks' zombies are reaped, so that their pids
+    are still theirs).  The log is read only when the counter moved."""
+
+    def __init__(self, cgroup: MemCgroup, before: int) -> None:
         self.cgroup = cgroup
         self.before = before
-        self.kernel_log = kernel_log
         # (CLOCK_MONOTONIC ns, oom_kill count) at start and at each look since.
-        self._counts: list[tuple[int, int]] = [] if before is None else [(time.monotonic_ns(), before)]
+        self._counts: list[tuple[int, int]] = [(time.monotonic_ns(), before)]
+        self._stopped = False
+        self._kills: tuple[int, list[OomKill] | None] | None = None   # (for count, kills)
 
     def __repr__(self) -> str:
-        return f"OomWatch({self.cgroup!r}, before={self.before}, kernel_log={self.kernel_log is not None})"
+        return f"OomWatch({self.cgroup!r}, before={self.before})"
 
-    def _look(self) -> int | None:
-        after = read_oom_kills(self.cgroup) if self.cgroup is not None else None
-        if after is not None:
-            self._counts.append((time.monotonic_ns(), after))
-        if self.kernel_log is not None:
-            self.kernel_log.read()
-        return after
+    def _ours(self, memcg: str) -> bool:
+        # v1 counts a kill in the victim's own cgroup only; v2 in every ancestor.
+        if self.cgroup.version == 1:
+            return memcg == self.cgroup.path
+        return self.cgroup.contains(MemCgroup(2, memcg, ""))
+
+    def _look(self) -> int:
+        """The count now (after stop(): as it was then), and the kills of
+        the kernel's log it stands for, if it moved."""
+        if not self._stopped:
+            after = read_oom_kills(self.cgroup)
+            if after is not None and after >= self._counts[-1][1]:
+                self._counts.append((time.monotonic_ns(), after))
+        count = self._counts[-1][1]
+        if count > self.before and (self._kills is None or self._kills[0] != count):
+            records = read_kernel_log()
+            kills = None
+            if records is not None:
+                kills = _last_kills(oom_kills(records), count - self.before, self._ours)
+            self._kills = (count, kills)
+        return count
 
     def stop(self) -> None:
         """The last look, while the ranks' zombies still pin their pids: a
         kernel record read later could name a new process with a reused pid."""
-        self._look()
-        if self.kernel_log is not None:
-            self.kernel_log.close()
-
-    def _same_cgroup(self, kill: OomKill) -> bool:
-        # The kernel names the victim's cgroup from the hierarchy's root, as
-        # /proc/self/cgroup does in the initial cgroup namespace.  A record
-        # without one (the kernel rate-limits that line) counts if our
-        # counter moved.
-        if self.cgroup is None:
-            return False
-        if kill.memcg is None:
-            return bool(self.before is not None and self._counts and self._counts[-1][1] > self.before)
-        if self.cgroup.version == 1:  # v1 counts a kill in the victim's own cgroup only
-            return kill.memcg == self.cgroup.path
-        return self.cgroup.contains(MemCgroup(2, kill.memcg, ""))
+        if not self._stopped:
+            self._look()
+            self._stopped = True
 
     def explain(self, pid: int | None = None, exit_mono_ns: int | None = None) -> str | None:
         """What to say about a rank's SIGKILL that torchmp did not send, or
         None: "killed by the kernel OOM killer (...)" where the kernel's log
-        names its pid; else "an OOM kill in the same cgroup at HH:MM:SS (or
-        between two times) may be related" when one happened in the
-        launcher's memory cgroup while the rank lived.
+        has its pid among the launcher's cgroup's kills since the start;
+        else "an OOM kill in the same cgroup at HH:MM:SS (or between two
+        times) may be related" when one happened while the rank lived.
 
         pid is the rank's; exit_mono_ns when it was reaped (None: now)."""
-        after = self._look()
-        end = (time.monotonic_ns() if exit_mono_ns is None else exit_mono_ns) + CLOCK_SLACK_NS
-        log = self.kernel_log
-        kills = [k for k in log.kills if k.mono_ns <= end] if log is not None else []
-        if pid is not None and any(k.pid == pid for k in kills):
-            victim = next(k for k in kills if k.pid == pid)
-            evidence = [f"the kernel log names pid {pid} at {_clock(victim.mono_ns)}"]
-            if self.cgroup is not None and after is not None and self.before is not None and after > self.before:
-                evidence.insert(0, f"memory cgroup {self.cgroup.path}: oom_kill {self.before} -> {after}")
-            return f"killed by the kernel OOM killer ({'; '.join(evidence)})"
-        ours = [k for k in kills if k.pid != pid and self._same_cgroup(k)]
-        if ours:
-            # The last kill before the exit; else (clock drift) the first after.
-            before = [k for k in ours if k.mono_ns <= end - CLOCK_SLACK_NS]
-            kill = before[-1] if before else ours[0]
-            return f"an OOM kill in the same cgroup at {_clock(kill.mono_ns)} may be related"
-        if log is not None and not log.lost:
-            return None  # the log is complete: no kill in our cgroup while the rank lived
-        return self._counter_hint(pid, exit_mono_ns)
+        count = self._look()
+        if count <= self.before:
+            return None
+        exit_ns = time.monotonic_ns() if exit_mono_ns is None else exit_mono_ns
+        kills = self._kills[1] if self._kills is not None else None
+        if kills is None:
+            return self._counter_hint(pid, exit_mono_ns)
+        victim = next((k for k in kills if k.pid == pid), None)
+        if victim is not None:
+            return (f"killed by the kernel OOM killer (memory cgroup {self.cgroup.path}: "
+                    f"oom_kill {self.before} -> {count}; the kernel log names pid {pid} "
+                    f"at {_clock(victim.mono_ns)})")
+        # The last kill before the exit; else one just after it (the clocks
+        # drift); none at all if they all came later.
+        before = [k for k in kills if k.mono_ns <= exit_ns]
+        near = [k for k in kills if exit_ns < k.mono_ns <= exit_ns + CLOCK_SLACK_NS]
+        kill = before[-1] if before else near[0] if near else None
+        if kill is None:
+            return None
+        return f"an OOM kill in the same cgroup at {_clock(kill.mono_ns)} may be related"
 
     def _counter_hint(self, pid: int | None, exit_mono_ns: int | None) -> str | None:
         """Without the kernel's word: the counter's rise, placed between the
         two looks that bracket it."""
-        if self.cgroup is None or not self._counts:
-            return None
         if pid is not None and self.cgroup.version == 2:
             # A zombie's cgroup still reads on v2 (on v1 it is "/"): a rank
             # outside the launcher's cgroup is not counted there.
@@ -456,16 +473,12 @@ class OomWatch:
 
 
 def start_watch() -> OomWatch | None:
-    """An OomWatch from now on, or None if neither this process's memory
-    cgroup counter nor the kernel's log can be read."""
+    """An OomWatch on this process's memory cgroup, or None if unavailable."""
     try:
         cg = memory_cgroup("self")
-        before = read_oom_kills(cg) if cg is not None else None
-        if before is None:
-            cg = None
-        log = KernelLog.open()
-        if cg is None and log is None:
+        if cg is None:
             return None
-        return OomWatch(cg, before, log)
+        before = read_oom_kills(cg)
+        return None if before is None else OomWatch(cg, before)
     except (OSError, ValueError):
         return None
