@@ -526,7 +526,9 @@ class _NativeContext(PContext):
         if signalled:
             group.killpg(int(signal.SIGKILL))
         if self._oom_watch is not None:
-            self._oom_watch.stop()  # while the zombies still pin the ranks' pids
+            # While the zombies still pin the ranks' pids; a look only if
+            # there is a SIGKILL to explain.
+            self._oom_watch.stop(self._unsent_sigkills(group.snapshot()[1]))
         self._release_foreign(group.reap())
         group.finish_streams()
         if self._forwarder is not None:
@@ -554,6 +556,12 @@ class _NativeContext(PContext):
                 data = group.tail(rank, 1, cap + 1)
                 if data:
                     self._tails[rank] = (data[-cap:], len(data) > cap)
+
+    def _unsent_sigkills(self, ranks: list[_core.ProcInfo]) -> bool:
+        """Whether a rank died of a SIGKILL torchmp did not send."""
+        return any(info.state == _core.PROC_EXITED and _exitcode(info.wait_status) == -signal.SIGKILL
+                   and (rank not in self._terminated_by_launcher or info.status_lost)
+                   for rank, info in enumerate(ranks))
 
     def _death_cause(self, info: _core.ProcInfo, exitcode: int) -> str | None:
         """Why a rank died, where the exit status does not say: a SIGKILL

@@ -18,7 +18,8 @@ The evidence, on cgroup v1 and v2 alike:
 
 * The memory cgroup's counter (v2 ``memory.events``, v1
   ``memory.oom_control``, key ``oom_kill``; v2 counts kills in the subtree,
-  v1 in the cgroup itself only), read at launch and at close: ``n`` kills
+  v1 in the cgroup itself only), read at launch and at close (if a rank
+  died of a SIGKILL torchmp did not send): ``n`` kills
   in the launcher's cgroup while the context ran.  The kernel raises it
   before it sends the SIGKILL.
 * The kernel's log (``/dev/kmsg``), read only when the counter moved,
@@ -43,8 +44,9 @@ The evidence, on cgroup v1 and v2 alike:
 Nothing here raises for a missing or unreadable controller, file or log:
 the answer is then None.  Standard library only; cost per context: one read
 of /proc/self/cgroup and of the counter file at launch (the mount table is
-read once per process), the counter again at close; no descriptor is held.
-The kernel's log is read (whole) only after an OOM kill in the cgroup.
+read once per process); at close, where a rank died of a SIGKILL torchmp
+did not send, the counter again, and the kernel's log (whole) only if the
+counter moved.  No descriptor is held.
 """
 from __future__ import annotations
 
@@ -416,11 +418,14 @@ class OomWatch:
             self._kills = (count, kills)
         return count
 
-    def stop(self) -> None:
+    def stop(self, look: bool = True) -> None:
         """The last look, while the ranks' zombies still pin their pids: a
-        kernel record read later could name a new process with a reused pid."""
+        kernel record read later could name a new process with a reused
+        pid.  look=False: nothing will be asked (no rank died of a SIGKILL
+        torchmp did not send): stop without reading anything."""
         if not self._stopped:
-            self._look()
+            if look:
+                self._look()
             self._stopped = True
 
     def explain(self, pid: int | None = None, exit_mono_ns: int | None = None) -> str | None:
