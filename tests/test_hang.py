@@ -434,6 +434,12 @@ def test_torchelastic_signals_to_handle_naming_sigusr2_wins(report_handler, monk
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     make_run().install_report_handler()
     assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN  # left to start_processes
+    # The silence timer still makes its reports.
+    run = make_run("--hang-report-after", "0.2")
+    run.hang.started = time.monotonic()
+    reports = run_stub(run, StubCtx())
+    assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN
+    assert [r[0] for r in reports] == ["no output for 0.2s"]
 
 
 def test_usage_errors():

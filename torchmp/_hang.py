@@ -347,15 +347,19 @@ class ReportThread:
         self._previous_wakeup_fd = -1
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._catching = False
 
-    def arm(self) -> None:
-        """Install the signal's (empty) handler and the wake-up pipe; main
-        thread only.  Signals that arrive before start() wait in the pipe."""
+    def arm(self, catch_signal: bool = True) -> None:
+        """Make the wake-up pipe and, with catch_signal, install the
+        signal's (empty) handler and the pipe as the wake-up fd; main thread
+        only.  Signals that arrive before start() wait in the pipe."""
         if self._read_fd >= 0:
             return
         self._read_fd, self._write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        signal.signal(self.signum, _wake_only)
-        self._previous_wakeup_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        if catch_signal:
+            signal.signal(self.signum, _wake_only)
+            self._previous_wakeup_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+            self._catching = True
 
     def start(self) -> None:
         if self._read_fd < 0 or self._thread is not None:
@@ -390,9 +394,11 @@ class ReportThread:
             pass  # full: the thread has a wake-up to read anyway
         if self._thread is not None:
             self._thread.join(timeout)
-        replaced = signal.set_wakeup_fd(self._previous_wakeup_fd)
-        if replaced != self._write_fd:
-            signal.set_wakeup_fd(replaced)  # someone else's since ours: leave it
+        if self._catching:
+            replaced = signal.set_wakeup_fd(self._previous_wakeup_fd)
+            if replaced != self._write_fd:
+                signal.set_wakeup_fd(replaced)  # someone else's since ours: leave it
+            self._catching = False
         if self._thread is None or not self._thread.is_alive():
             # (Never closed under a thread still polling it: the number
             # could be reused before its poll returns.)

@@ -210,10 +210,11 @@ class _Run:
     def install_report_handler(self) -> None:
         """SIGUSR2 asks for a hang report -- unless TORCHELASTIC_SIGNALS_TO_HANDLE
         names it: start_processes then makes it stop the job, as asked.
-        From now on the signal is caught; its reports start with the
-        launch (start_reports)."""
-        if REPORT_SIGNAL not in handled_signals():
-            self.reports.arm()
+        From now on the signal is caught; its reports (and the silence
+        timer's) start with the launch (start_reports)."""
+        catch = REPORT_SIGNAL not in handled_signals()
+        if catch or self.hang.after is not None:
+            self.reports.arm(catch_signal=catch)
 
     def start_reports(self) -> None:
         """Make reports from now on (once the context exists)."""
