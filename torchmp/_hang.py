@@ -16,10 +16,13 @@ rank's process group follows the table (``py-spy dump``, run in parallel,
 each with a time limit).
 
 The pieces are plain functions over ``/proc`` text (:func:`parse_stat`,
-:func:`parse_statm`, :func:`read_wchan`), a formatter (:func:`format_table`)
-and :class:`HangWatch`, which keeps what a report needs from the previous
-one (CPU times, the report count) and decides when a job that went silent
-gets a report by itself (once per silence, re-armed by new output).
+:func:`parse_statm`, :func:`read_wchan`), a formatter (:func:`format_table`),
+:class:`HangWatch`, which keeps what a report needs from the previous one
+(CPU times, the report count) and decides when a job that went silent gets
+a report by itself (once per silence, re-armed by new output), and
+:class:`ReportThread`, which makes the reports whatever the launcher's main
+thread is doing -- also while it shuts the job down, when a rank that does
+not stop is what one wants to see (ranks that have exited are left out).
 """
 
 from __future__ import annotations
@@ -238,13 +241,12 @@ class HangWatch:
     ``after`` (``--hang-report-after``): once no rank has written anything
     for that many seconds, :meth:`check` says a report is due -- once per
     silence: the next one only after new output and another ``after``
-    seconds without any.  ``requested`` is set by the signal handler.
+    seconds without any.
     """
 
     def __init__(self, after: float | None, started: float) -> None:
         self.after = after
         self.started = started        # time.monotonic() of the launch
-        self.requested = False
         self.count = 0
         self._cpu_ticks: dict[int, int] = {}
         self._last_report: float | None = None
