@@ -357,10 +357,9 @@ def run_stub(run: cli._Run, ctx: StubCtx, signal_at: float | None = None,
 
 
 def test_signal_makes_a_report_while_the_wait_sleeps(report_handler):
-    sent = time.monotonic() + 0.1
     reports = run_stub(make_run(), StubCtx(), signal_at=0.1)
+    # Made while the wait still slept (it sleeps 10 s unless released).
     assert [(r[0], r[2], r[3]) for r in reports] == [("asked by SIGUSR2", True, True)]
-    assert reports[0][1] - sent < 2
 
 
 def test_signal_while_the_main_thread_is_busy(report_handler):
@@ -378,21 +377,22 @@ def test_signal_while_the_main_thread_is_busy(report_handler):
 
     reports = run_stub(make_run(), StubCtx(busy=busy))
     assert len(reports) == 1 and reports[0][0] == "asked by SIGUSR2" and reports[0][3]
-    assert reports[0][1] < sent[1] - 0.5, (reports, sent)  # made while the main thread was busy
+    assert reports[0][1] < sent[1], (reports, sent)  # made while the main thread was busy
 
 
 def test_silence_timer_while_the_main_thread_is_busy(report_handler):
+    busy_until: list[float] = []
+
     def busy():
-        end = time.monotonic() + 2.0
-        while time.monotonic() < end:
+        busy_until.append(time.monotonic() + 2.0)
+        while time.monotonic() < busy_until[0]:
             pass
 
-    started = time.monotonic()
     run = make_run("--hang-report-after", "0.3")
-    run.hang.started = started
+    run.hang.started = time.monotonic()
     reports = run_stub(run, StubCtx(busy=busy))
     assert [r[0] for r in reports] == ["no output for 0.3s"] and reports[0][3]
-    assert reports[0][1] - started < 1.5
+    assert reports[0][1] < busy_until[0], (reports, busy_until)   # made while the main thread was busy
 
 
 def test_signal_before_the_reports_start_is_answered_first(report_handler):
