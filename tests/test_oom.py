@@ -684,7 +684,7 @@ def kernel_log_usable() -> bool:
 VICTIM_AND_BYSTANDER = textwrap.dedent("""\
     import json, os, signal, sys, time
     import torchmp
-    from torchmp import DefaultLogsSpecs, _oom
+    from torchmp import DefaultLogsSpecs, _core, _oom
     cg, flags, alloc = sys.argv[1], sys.argv[2], sys.argv[3]
     if sys.argv[4] == "no-kernel-log":
         _oom.KMSG_PATH = "/nonexistent/kmsg"
@@ -706,9 +706,9 @@ VICTIM_AND_BYSTANDER = textwrap.dedent("""\
         os.kill(pids[1], signal.SIGKILL)               # by hand, after the helper's OOM kill
         time.sleep(0.2)
         open(flags + "/go", "w").close()
-        # The result only once the victim is dead too (a zombie, pinned
-        # until close()): earlier, fail-fast would stop it.
-        while open(f"/proc/{pids[0]}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        # The result only once torchmp has seen both deaths: a rank still
+        # running when the fail-fast starts is one torchmp terminated.
+        while any(info.state != _core.PROC_EXITED for info in ctx._group.snapshot()[1]):
             time.sleep(0.01)
         result = ctx.wait(60)
     finally:
