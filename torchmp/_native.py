@@ -493,6 +493,9 @@ class _NativeContext(PContext):
         pids = {rank: info.pid for rank, info in enumerate(ranks) if info.state != _core.PROC_UNSTARTED}
         running = [rank for rank, info in enumerate(ranks) if info.state == _core.PROC_RUNNING]
         self._terminated_by_launcher |= set(running)
+        # (Only a rank that exited before this close can have died of a
+        # SIGKILL torchmp did not send: the others it terminates.)
+        oom_suspects = self._oom_watch is not None and self._unsent_sigkills(ranks)
         # The grace period is the whole group's: a leader that is a shell
         # (sh -c 'python train.py') exits at once on SIGTERM while its child
         # is still saving a checkpoint.  Groups whose leader exited stay
@@ -528,7 +531,7 @@ class _NativeContext(PContext):
         if self._oom_watch is not None:
             # While the zombies still pin the ranks' pids; a look only if
             # there is a SIGKILL to explain.
-            self._oom_watch.stop(self._unsent_sigkills(group.snapshot()[1]))
+            self._oom_watch.stop(oom_suspects)
         self._release_foreign(group.reap())
         group.finish_streams()
         if self._forwarder is not None:
