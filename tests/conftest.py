@@ -9,6 +9,7 @@ failing test never leaves processes behind, and the test is failed.
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import signal
 import time
@@ -74,19 +75,19 @@ def leak_guard(request: pytest.FixtureRequest):
     if request.node.get_closest_marker("no_leak_guard"):
         yield
         return
-    gc.collect()
-    # What is alive now belongs to earlier tests (and to torch, once a parity
-    # test has imported it: ~190k objects, 0.1 s CPU per full collection).
-    # Frozen, it is skipped by the collections below, which are only there
-    # to release what this test dropped.
-    gc.freeze()
+    # Young generations only: a full collection walks every object, torch's
+    # 190k too once a parity test has imported it (0.1 s CPU, most of the
+    # suite's CPU when done for every test), and what the guard needs
+    # released -- what the test before dropped -- is young.
+    gc.collect(1)
     fds_before = _open_fds()
     children_before = {p.pid for p in _children()}
     yield
     # Groups are released asynchronously by the I/O thread: allow it a moment.
     deadline = time.monotonic() + 3.0
-    while True:
-        gc.collect()
+    for attempt in itertools.count():
+        # One full collection, only when a young one did not release it all.
+        gc.collect(2 if attempt == 1 else 1)
         leaked_fds = _open_fds() - fds_before
         leftover = [p for p in _children() if p.pid not in children_before]
         if (not leaked_fds and not leftover) or time.monotonic() > deadline:
