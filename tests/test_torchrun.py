@@ -7,6 +7,7 @@ kills what is left by that tag (process group, then pid), even on failure.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -23,12 +24,19 @@ import pytest
 
 from helpers import TORCHMP_PATH, Launcher, Launchers, wait_no_tagged
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("torch.distributed.run")
-if not torch.distributed.is_available():  # pragma: no cover
-    pytest.skip("torch.distributed is not available", allow_module_level=True)
+# torch is imported by the first test that runs, not at collection: the
+# suite runs its torch tests last (conftest.py), so that most tests do not
+# fork and collect a process that holds torch.
+pytestmark = [pytest.mark.torch,
+              pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")]
 
-pytestmark = pytest.mark.torch
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_distributed() -> None:
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch.distributed.run")
+    if not torch.distributed.is_available():  # pragma: no cover
+        pytest.skip("torch.distributed is not available")
 
 TORCHMP = [sys.executable, "-m", "torchmp", "torchrun"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
