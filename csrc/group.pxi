@@ -449,8 +449,14 @@ cdef class Group:
         return reply
 
     def drop_unstarted(self):
-        """Close everything prepared for ranks that were never adopted."""
+        """Close everything prepared for ranks that were never started.
+
+        A worker forked already but not adopted yet (a launch interrupted
+        right after the fork) is adopted first: with its streams closed, a
+        forkserver's worker would look exited (its return channel ended
+        without an exit trailer) and never be signalled."""
         self._ours()
+        self.adopt_forked()
         self._unstage()
         self._enter()
         try:

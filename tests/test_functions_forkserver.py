@@ -20,7 +20,7 @@ from torchmp.errors import ChildFailedError
 import fn_workers as fw
 from fn_helpers import run, server_pid, start
 from fn_helpers import forkserver_hygiene  # noqa: F401 (autouse: a fixture of this module)
-from helpers import kill_groups, pid_alive, read_pids, wait_gone
+from helpers import Launchers, kill_groups, pid_alive, read_pids, wait_gone
 
 
 def test_forkserver_death_is_reported_and_a_new_server_starts(tmp_path):
@@ -135,3 +135,79 @@ def test_forkserver_is_started_once_and_reused(tmp_path):
     assert first.return_values[0][1] == server
     assert {v[1] for v in second.return_values.values()} == {server}
     assert len({first.return_values[0][0]} | {v[0] for v in second.return_values.values()}) == 3
+
+
+# A SIGTERM from another process lands at a random moment in a forkserver
+# launch of 64 sleeping ranks; 1 s after start_processes raised, no worker of
+# the server may be alive.  (A worker forked just before the signal was
+# dropped with its streams, looked exited, and was never signalled.)
+INTERRUPTED_LAUNCH = """
+    import os, random, signal, subprocess, sys, time
+    import psutil
+    import torchmp
+    from torchmp import DefaultLogsSpecs, SignalException
+
+    runs, log_root = int(sys.argv[1]), sys.argv[2]
+
+    def launch(i):
+        return torchmp.start_processes("intr", time.sleep, args={r: (30,) for r in range(64)}, envs=None,
+                                       logs_specs=DefaultLogsSpecs(log_dir=os.path.join(log_root, str(i))),
+                                       start_method="forkserver")
+
+    killer = subprocess.Popen([sys.executable, "-c", (
+        "import os, sys, time\\n"
+        "for line in sys.stdin:\\n"
+        "    time.sleep(float(line))\\n"
+        "    os.kill(os.getppid(), 15)\\n"
+        "    print('sent', flush=True)\\n")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def server_workers():
+        found = []
+        for server in psutil.Process().children():
+            try:
+                if "forkserver" not in " ".join(server.cmdline()):
+                    continue
+                found += [p for p in server.children() if p.status() != psutil.STATUS_ZOMBIE]
+            except psutil.Error:
+                pass
+        return found
+
+    launch("warm").close()  # the server is up: the signals land in the forks
+    t0 = time.monotonic()
+    ctx = launch("timed")
+    span = time.monotonic() - t0
+    ctx.close()
+    with_workers = interrupted = 0
+    for i in range(runs):
+        killer.stdin.write(f"{random.uniform(0, span)}\\n")
+        killer.stdin.flush()
+        ctx = None
+        try:
+            ctx = launch(i)
+            time.sleep(5)  # the signal lands here instead: not a run that counts
+        except SignalException:
+            if ctx is None:
+                interrupted += 1
+                time.sleep(1)
+                left = server_workers()
+                with_workers += bool(left)
+                for p in left:
+                    p.kill()
+        killer.stdout.readline()
+        if ctx is not None:
+            ctx.close(signal.SIGKILL, 5)
+    killer.stdin.close()
+    killer.wait()
+    print("with_workers", with_workers, "interrupted", interrupted)
+"""
+
+
+def test_an_interrupted_forkserver_launch_leaves_no_worker_alive(tmp_path):
+    with Launchers(trailing_pathsep=True) as launchers:
+        run = launchers.python(INTERRUPTED_LAUNCH, "20", str(tmp_path))
+        rc, out, err = run.communicate(300)
+        assert rc == 0, err[-3000:]
+        words = out.split()
+        assert words[:2] == ["with_workers", "0"], out + err[-2000:]
+        assert int(words[3]) >= 10, f"only {words[3]} of 20 signals landed in a launch"
+    assert launchers.left() == []
