@@ -304,8 +304,9 @@ Binding.__module__ = __name__
 cdef class QueueConsole:
     """A console whose framed lines are taken by Python (for a sys.stdout /
     sys.stderr object that is not the process's own fd 1 / 2).  The I/O
-    thread only appends to it: it never needs the GIL.  fileno() is readable
-    while bytes wait; take() returns them (marker lines included)."""
+    thread only appends to it: it never needs the GIL.  It holds no fd: its
+    taker sleeps in queues_wait() until some queue console has bytes.
+    take() returns what waits (marker lines included)."""
     cdef torchmp_console *c
 
     def __cinit__(self):
@@ -317,9 +318,6 @@ cdef class QueueConsole:
         if self.c != NULL:
             torchmp_console_unref(self.c)
             self.c = NULL
-
-    def fileno(self) -> int:
-        return torchmp_console_notify_fd(self.c)
 
     def take(self) -> bytes:
         cdef size_t n = 0
@@ -334,16 +332,92 @@ cdef class QueueConsole:
             free(data)
 
     def pending(self) -> int:
+        """Bytes waiting, held-back ones included (0: caught up)."""
         return torchmp_console_pending(self.c)
+
+    def say(self, bytes data not None) -> bool:
+        """torchmp's own whole lines, after the workers' lines logged before
+        them; False if left out (the bound)."""
+        return _say(self.c, -1, data)
+
+
+cdef object _say(torchmp_console *queue, int fd, bytes data):
+    cdef int rc
+    cdef const char *buf = PyBytes_AS_STRING(data)
+    cdef size_t n = <size_t>PyBytes_GET_SIZE(data)
+    if n == 0:
+        return True
+    with nogil:
+        rc = torchmp_say(queue, fd, buf, n)
+    check(rc, b"console")
+    return rc > 0
+
+
+def console_say(int fd, bytes data not None) -> bool:
+    """torchmp's own whole lines to the console of what the launcher's fd (1
+    or 2) refers to: never blocking, after the workers' lines logged before
+    them.  False if left out (the bound)."""
+    return _say(NULL, fd, data)
 
 
 def consoles_pending(int fd=-1) -> int:
-    """Bytes waiting for the launcher's fd 1 / fd 2 consoles (0: caught up);
-    fd >= 0: only for the console of what fd refers to."""
+    """Bytes waiting for the launcher's fd 1 / fd 2 consoles, held-back ones
+    included (0: caught up); fd >= 0: only for the console of what fd
+    refers to."""
     cdef size_t n
     with nogil:
         n = torchmp_consoles_pending(fd)
     return n
+
+
+def consoles_shown(int fd=-1) -> int:
+    """Bytes the launcher's fd 1 / fd 2 consoles took so far (their
+    progress); fd >= 0: only the console of what fd refers to."""
+    cdef uint64_t n
+    with nogil:
+        n = torchmp_consoles_shown(fd)
+    return n
+
+
+def set_console_stall(double seconds):
+    """A console that takes nothing for this long while lines wait for it is
+    stalled: the lines it was not given yet are left out once it takes bytes
+    again (<= 0: never)."""
+    torchmp_consoles_set_stall(<int64_t>(seconds * 1e9) if seconds > 0 else 0)
+
+
+def console_failure(int std_fd) -> int:
+    """The errno that switched the console of the launcher's fd (1 or 2)
+    off since the last call, unless its reader went away; 0 if none."""
+    return torchmp_console_failure(std_fd)
+
+
+def queues_generation() -> int:
+    """A counter that moves whenever a queue console gets bytes for its
+    taker (or queues_post() is called)."""
+    return torchmp_queues_generation()
+
+
+def queues_wait(uint64_t seen, double timeout=-1.0) -> bool:
+    """Sleep (GIL released) until queues_generation() is no longer seen, or
+    timeout seconds (negative: none); True if it moved."""
+    cdef int64_t ns = <int64_t>(timeout * 1e9) if timeout >= 0 else -1
+    cdef int moved
+    with nogil:
+        moved = torchmp_queues_wait(seen, ns)
+    return bool(moved)
+
+
+def queues_post():
+    """Wake the takers sleeping in queues_wait()."""
+    torchmp_queues_post()
+
+
+def _queues_after_fork():
+    torchmp_queues_after_fork()
+
+
+_os.register_at_fork(after_in_child=_queues_after_fork)
 
 
 def frame(int fd, bytes prefix not None, list chunks, Py_ssize_t max_line=256 * 1024, Py_ssize_t scratch=4096,

@@ -6,143 +6,84 @@
  * ^S, a stalled log shipper) would stop all of that, and with it the workers
  * (their pipes fill) and exit detection.  So a console is never written with
  * a call that can block.  What it cannot take now waits in a backlog, bounded
- * per source; past the bound whole lines are dropped from the console only
- * (the log file has them) and, once the console has caught up, one marker
- * line per source says how many and where the complete log is.
+ * per source.  A source whose log file is complete does not lose lines past
+ * the bound: the loop stops giving it lines and later catches it up from its
+ * log (loop_consoles.c), so this file only keeps count of those bytes
+ * (`behind`).  Other sources (no log file) have whole lines dropped from the
+ * console past the bound and, once the console has caught up, one marker
+ * line per source says how many (and where the complete log is, if any).
  *
- * Kinds:
+ * Progress: a console that takes no byte for the stall time while something
+ * waits for it is stalled.  When it takes bytes again, `resumed` tells the
+ * loop to leave out (with a marker) the lines it had not given it yet.
+ *
+ * Kinds (how each reaches its target: console_target.c):
  *   fd     the launcher's fd 1 or 2 (or whatever file they refer to).  One
  *          console per target, found by identity (st_dev, st_ino): stdout and
  *          stderr on the same pipe share a backlog, so the remainder of a
  *          partly written line always goes out before anything else.
  *   queue  bytes for somebody else to take (a Python object such as a
- *          notebook's sys.stdout): readable notify fd while bytes wait.
+ *          notebook's sys.stdout).  No fd: the taker sleeps on one
+ *          process-wide condition (torchmp_queues_wait) that every queue
+ *          console posts when bytes start to wait.
  *
- * How an fd console avoids blocking, by what the target is:
- *   regular file, /dev/null   plain writes (they do not wait on a reader);
- *   pipe, FIFO, terminal      a private open file description of the same
- *                             object (/proc/self/fd/N) made O_NONBLOCK, so the
- *                             flag never leaks to the launcher's own fd or to
- *                             workers that share it;
- *   socket                    send(MSG_DONTWAIT);
- *   otherwise                 poll(POLLOUT, 0) before each write of at most
- *                             PIPE_BUF bytes (a write that small into a pipe
- *                             with room does not block).
  * A console whose writes fail for good (EPIPE: the reader is gone; EIO: the
- * terminal hung up) is switched off; nothing else changes.
+ * terminal hung up; ENOSPC: a full file system) is switched off; nothing
+ * else changes.  Failures other than a reader gone are kept for Python to
+ * say once (torchmp_console_failure).
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
-#include "torchmp.h"
+#include "console_internal.h"
 
 #include <errno.h>
-#include <fcntl.h>
-#include <limits.h>
-#include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
-#include <sys/stat.h>
-#include <unistd.h>
+#include <time.h>
 
-#ifdef TORCHMP_HAVE_EVENTFD
-#include <sys/eventfd.h>
-#endif
-#ifndef MSG_NOSIGNAL
-#define MSG_NOSIGNAL 0
-#endif
+/* No progress for this long while bytes wait: the console is stalled. */
+static int64_t stall_ns = 10LL * 1000 * 1000 * 1000;
 
-enum console_mode {
-    MODE_PLAIN = 1,       /* writes never wait on a reader */
-    MODE_NONBLOCK = 2,    /* a private O_NONBLOCK description */
-    MODE_SOCKET = 3,      /* send(MSG_DONTWAIT) */
-    MODE_GUARDED = 4,     /* poll before small writes */
-    MODE_QUEUE = 5        /* taken by the owner */
-};
+/* Why the launcher's fd 1 / fd 2 consoles were switched off, when it was not
+ * their reader going away; read (and cleared) by Python. */
+static int std_failures[3];
 
-typedef struct drop_record {
-    uint64_t source_id;
-    char *prefix;
-    char *log_path;           /* NULL: no log file */
-    uint64_t lines;
-    uint64_t bytes;
-    struct drop_record *next;
-} drop_record;
+static int64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
 
-struct torchmp_console {
-    int mode;
-    int fd;                   /* fd kinds: the private fd; -1 once switched off */
-    int broken_errno;         /* why it was switched off */
-    dev_t dev;                /* identity of the target */
-    ino_t ino;
-    pthread_mutex_t mu;       /* a queue console is shared with its taker */
-    char *buf;                /* backlog: bytes [start, start + len) of buf */
-    size_t start, len, cap;
-    int dropping;             /* past a bound: drop lines until the backlog empties */
-    drop_record *drops;
-    int notify_r, notify_w;   /* queue: readable while bytes wait */
-    int refs;                 /* atomic: streams, the loop's registry, a Python handle */
-};
+static int waiting(const torchmp_console *c)
+{
+    return c->len > 0 || c->dropping || c->behind > 0;
+}
 
-static void console_destroy(torchmp_console *c);
+/* Call with what waiting() was before bytes were queued or held back. */
+static void note_waiting(torchmp_console *c, int was_waiting)
+{
+    if (!was_waiting && waiting(c))
+        c->progress_ns = now_ns();
+}
+
+/* The target took n bytes; was_waiting: bytes were waiting for it before. */
+static void note_shown(torchmp_console *c, size_t n, int was_waiting)
+{
+    int64_t now;
+    if (n == 0)
+        return;
+    now = now_ns();
+    if (was_waiting && c->progress_ns != 0 && torchmp_consoles_stall() > 0 && now - c->progress_ns >= torchmp_consoles_stall())
+        c->resumed = 1;
+    c->progress_ns = now;
+    c->shown += n;
+}
 
 /* ---- writing without blocking ------------------------------------------ */
-
-/* Write some of buf without waiting: the number of bytes written (0: the
- * console cannot take more now), or -1 with errno when it is broken. */
-static ssize_t write_some(torchmp_console *c, const char *buf, size_t len)
-{
-    size_t done = 0;
-    while (done < len) {
-        ssize_t n;
-        size_t want = len - done;
-        switch (c->mode) {
-        case MODE_SOCKET:
-            n = send(c->fd, buf + done, want, MSG_DONTWAIT | MSG_NOSIGNAL);
-            break;
-        case MODE_GUARDED: {
-            struct pollfd p;
-            int r;
-            p.fd = c->fd;
-            p.events = POLLOUT;
-            p.revents = 0;
-            r = poll(&p, 1, 0);
-            if (r < 0 && errno == EINTR)
-                continue;
-            if (r < 0)
-                return -1;
-            if (r == 0)
-                return (ssize_t)done;
-            if (p.revents & (POLLERR | POLLNVAL)) {
-                errno = (p.revents & POLLNVAL) ? EBADF : EPIPE;
-                return -1;
-            }
-            if (want > PIPE_BUF)
-                want = PIPE_BUF;
-            n = write(c->fd, buf + done, want);
-            break;
-        }
-        default:
-            n = write(c->fd, buf + done, want);
-            break;
-        }
-        if (n > 0) {
-            done += (size_t)n;
-            continue;
-        }
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
-            return (ssize_t)done;
-        if (n == 0)
-            errno = EIO;
-        return -1;
-    }
-    return (ssize_t)done;
-}
 
 static void drops_free(torchmp_console *c)
 {
@@ -162,8 +103,11 @@ static void drops_free(torchmp_console *c)
  * its number must not be reused under that watch. */
 static void console_break(torchmp_console *c, int err)
 {
-    if (c->broken_errno == 0)
+    if (c->broken_errno == 0) {
         c->broken_errno = err != 0 ? err : EIO;
+        if ((c->std_fd == 1 || c->std_fd == 2) && c->broken_errno != EPIPE && c->broken_errno != EIO)
+            __atomic_store_n(&std_failures[c->std_fd], c->broken_errno, __ATOMIC_RELAXED);
+    }
     c->start = c->len = 0;
     c->dropping = 0;
     drops_free(c);
@@ -229,10 +173,10 @@ static size_t count_lines(const char *p, size_t len)
     return n;
 }
 
-static void record_drop(torchmp_console *c, const torchmp_console_source *src, const char *data, size_t len)
+static void record_drop(torchmp_console *c, const torchmp_console_source *src, uint64_t lines, uint64_t bytes)
 {
     drop_record *d;
-    if (len == 0)
+    if (bytes == 0)
         return;
     for (d = c->drops; d != NULL; d = d->next) {
         if (d->source_id == src->id)
@@ -259,8 +203,8 @@ static void record_drop(torchmp_console *c, const torchmp_console_source *src, c
             *tail = d;
         }
     }
-    d->lines += count_lines(data, len);
-    d->bytes += len;
+    d->lines += lines;
+    d->bytes += bytes;
 }
 
 static void format_size(char *out, size_t cap, uint64_t bytes)
@@ -273,39 +217,44 @@ static void format_size(char *out, size_t cap, uint64_t bytes)
         snprintf(out, cap, "%llu bytes", (unsigned long long)bytes);
 }
 
+/* One marker line into the backlog: how many lines of a source are not
+ * shown, and where the complete log is. */
+static void append_marker(torchmp_console *c, const char *prefix, size_t prefix_len, const char *log_path,
+                          uint64_t lines, uint64_t bytes)
+{
+    char size[32];
+    char *line = NULL;
+    int n;
+    format_size(size, sizeof(size), bytes);
+    n = asprintf(&line, "%.*storchmp: %llu line%s (%s) not shown: the console fell behind%s%s\n", (int)prefix_len,
+                 prefix != NULL ? prefix : "", (unsigned long long)lines, lines == 1 ? "" : "s", size,
+                 log_path != NULL ? "; complete log: " : "", log_path != NULL ? log_path : "");
+    if (n > 0)
+        (void)backlog_append(c, line, (size_t)n);
+    if (n >= 0)
+        free(line);
+}
+
 /* The console caught up after dropping: one marker line per source that
  * lost lines, then back to normal. */
 static void append_markers(torchmp_console *c)
 {
-    for (drop_record *d = c->drops; d != NULL; d = d->next) {
-        char size[32];
-        char *line = NULL;
-        int n;
-        format_size(size, sizeof(size), d->bytes);
-        if (d->log_path != NULL)
-            n = asprintf(&line, "%storchmp: %llu line%s (%s) not shown: the console fell behind; complete log: %s\n",
-                         d->prefix, (unsigned long long)d->lines, d->lines == 1 ? "" : "s", size, d->log_path);
-        else
-            n = asprintf(&line, "%storchmp: %llu line%s (%s) not shown: the console fell behind\n",
-                         d->prefix, (unsigned long long)d->lines, d->lines == 1 ? "" : "s", size);
-        if (n > 0)
-            (void)backlog_append(c, line, (size_t)n);
-        if (n >= 0)
-            free(line);
-    }
+    for (drop_record *d = c->drops; d != NULL; d = d->next)
+        append_marker(c, d->prefix, strlen(d->prefix), d->log_path, d->lines, d->bytes);
     drops_free(c);
     c->dropping = 0;
 }
 
 /* Queue lines behind what waits already, whole lines within src's bound;
- * from the first line that does not fit, drop until the backlog empties. */
+ * from the first line that does not fit, drop until the backlog empties.
+ * A source the loop bounds itself (its log is the backlog) is queued whole. */
 static void admit_lines(torchmp_console *c, const torchmp_console_source *src, const char *data, size_t len)
 {
     if (c->dropping) {
-        record_drop(c, src, data, len);
+        record_drop(c, src, count_lines(data, len), len);
         return;
     }
-    if (c->len + len <= src->limit) {
+    if (src->bounded_by_caller || c->len + len <= src->limit) {
         if (backlog_append(c, data, len) == 0)
             return;
     } else {
@@ -324,33 +273,12 @@ static void admit_lines(torchmp_console *c, const torchmp_console_source *src, c
             return;
     }
     c->dropping = 1;
-    record_drop(c, src, data, len);
-}
-
-static void queue_notify(torchmp_console *c)
-{
-    int saved = errno;
-#ifdef TORCHMP_HAVE_EVENTFD
-    uint64_t one = 1;
-    ssize_t n = write(c->notify_w, &one, sizeof(one));
-#else
-    char one = 1;
-    ssize_t n = write(c->notify_w, &one, 1);
-#endif
-    (void)n; /* EAGAIN: already readable */
-    errno = saved;
-}
-
-static void queue_unnotify(torchmp_console *c)
-{
-    char buf[64];
-    while (read(c->notify_r, buf, sizeof(buf)) > 0)
-        ;
+    record_drop(c, src, count_lines(data, len), len);
 }
 
 /* ---- public -------------------------------------------------------------- */
 
-static torchmp_console *console_alloc(int mode)
+torchmp_console *torchmp_console_alloc(int mode)
 {
     torchmp_console *c = calloc(1, sizeof(*c));
     int rc;
@@ -359,7 +287,7 @@ static torchmp_console *console_alloc(int mode)
     c->refs = 1;
     c->mode = mode;
     c->fd = -1;
-    c->notify_r = c->notify_w = -1;
+    c->wake_fd = -1;
     rc = pthread_mutex_init(&c->mu, NULL);
     if (rc != 0) {
         free(c);
@@ -369,156 +297,86 @@ static torchmp_console *console_alloc(int mode)
     return c;
 }
 
-/* A private, non-blocking open file description of what fd refers to. */
-static int reopen_nonblocking(int fd)
-{
-#ifdef __linux__
-    char path[64];
-    snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
-    return open(path, O_WRONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
-#else
-    (void)fd;
-    errno = ENOSYS;
-    return -1;
-#endif
-}
-
-torchmp_console *torchmp_console_open_fd(int fd)
-{
-    struct stat st;
-    torchmp_console *c;
-    if (fstat(fd, &st) != 0)
-        return NULL;
-    c = console_alloc(MODE_PLAIN);
-    if (c == NULL)
-        return NULL;
-    c->dev = st.st_dev;
-    c->ino = st.st_ino;
-    if (S_ISREG(st.st_mode) || S_ISBLK(st.st_mode) || (S_ISCHR(st.st_mode) && !isatty(fd))) {
-        c->mode = MODE_PLAIN;
-    } else if (S_ISSOCK(st.st_mode)) {
-        c->mode = MODE_SOCKET;
-    } else {
-        /* pipe, FIFO, terminal */
-        c->fd = reopen_nonblocking(fd);
-        if (c->fd >= 0) {
-            c->mode = MODE_NONBLOCK;
-            return c;
-        }
-        if (errno == ENXIO && S_ISFIFO(st.st_mode)) {
-            /* No reader left: the console is closed already. */
-            c->broken_errno = EPIPE;
-            return c;
-        }
-        c->mode = MODE_GUARDED;
-    }
-    c->fd = fcntl(fd, F_DUPFD_CLOEXEC, 3);
-    if (c->fd < 0) {
-        int saved = errno;
-        console_destroy(c);
-        errno = saved;
-        return NULL;
-    }
-    return c;
-}
-
 torchmp_console *torchmp_console_new_queue(void)
 {
-    torchmp_console *c = console_alloc(MODE_QUEUE);
-    if (c == NULL)
-        return NULL;
-#ifdef TORCHMP_HAVE_EVENTFD
-    c->notify_r = c->notify_w = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-    if (c->notify_r < 0)
-        goto fail;
-#else
-    {
-        int p[2];
-        if (torchmp_pipe_cloexec(p) != 0)
-            goto fail;
-        c->notify_r = p[0];
-        c->notify_w = p[1];
-        if (fcntl(p[0], F_SETFL, O_NONBLOCK) != 0 || fcntl(p[1], F_SETFL, O_NONBLOCK) != 0)
-            goto fail;
-    }
-#endif
-    return c;
-fail:
-    {
-        int saved = errno;
-        console_destroy(c);
-        errno = saved;
-        return NULL;
-    }
+    return torchmp_console_alloc(MODE_QUEUE);
 }
 
-static void console_destroy(torchmp_console *c)
+void torchmp_console_destroy(torchmp_console *c)
 {
     if (c->fd >= 0)
         close(c->fd);
-    if (c->notify_w >= 0 && c->notify_w != c->notify_r)
-        close(c->notify_w);
-    if (c->notify_r >= 0)
-        close(c->notify_r);
     drops_free(c);
     free(c->buf);
     pthread_mutex_destroy(&c->mu);
     free(c);
 }
 
+/* A queue console has bytes for its taker now (it had none before). */
+static void queue_became_ready(torchmp_console *c, int was_ready)
+{
+    if (!was_ready && (c->len > 0 || c->dropping))
+        torchmp_queues_post();
+}
+
 int torchmp_console_submit(torchmp_console *c, const torchmp_console_source *src, const char *data, size_t len)
 {
-    int waiting;
-    if (len == 0)
-        return c->len > 0;
+    int was_waiting, still;
     pthread_mutex_lock(&c->mu);
-    if (c->broken_errno != 0) {
+    if (len == 0 || c->broken_errno != 0) {
+        still = waiting(c);
         pthread_mutex_unlock(&c->mu);
-        return 0;
+        return still;
     }
+    was_waiting = waiting(c);
     if (c->mode == MODE_QUEUE) {
-        int was_idle = c->len == 0 && !c->dropping;
+        int was_ready = c->len > 0 || c->dropping;
         admit_lines(c, src, data, len);
-        if (was_idle && (c->len > 0 || c->dropping))
-            queue_notify(c);
+        queue_became_ready(c, was_ready);
     } else if (c->len == 0 && !c->dropping) {
-        ssize_t n = write_some(c, data, len);
+        ssize_t n = torchmp_console_write_some(c, data, len);
         if (n < 0) {
             console_break(c, errno);
-        } else if ((size_t)n < len) {
-            /* The rest of a line that is on the console already must follow
-             * it whatever the bound: a torn line is worse than a late one. */
-            const char *rest = data + n;
-            size_t left = len - (size_t)n;
-            if (n > 0 && rest[-1] != '\n') {
-                const char *nl = memchr(rest, '\n', left);
-                size_t tail = nl != NULL ? (size_t)(nl + 1 - rest) : left;
-                if (backlog_append(c, rest, tail) != 0) {
-                    console_break(c, ENOMEM);
-                    pthread_mutex_unlock(&c->mu);
-                    return 0;
+        } else {
+            note_shown(c, (size_t)n, was_waiting);
+            if ((size_t)n < len) {
+                /* The rest of a line that is on the console already must
+                 * follow it whatever the bound: a torn line is worse than a
+                 * late one. */
+                const char *rest = data + n;
+                size_t left = len - (size_t)n;
+                if (n > 0 && rest[-1] != '\n') {
+                    const char *nl = memchr(rest, '\n', left);
+                    size_t tail = nl != NULL ? (size_t)(nl + 1 - rest) : left;
+                    if (backlog_append(c, rest, tail) != 0) {
+                        console_break(c, ENOMEM);
+                        pthread_mutex_unlock(&c->mu);
+                        return 0;
+                    }
+                    rest += tail;
+                    left -= tail;
                 }
-                rest += tail;
-                left -= tail;
+                if (left > 0)
+                    admit_lines(c, src, rest, left);
             }
-            if (left > 0)
-                admit_lines(c, src, rest, left);
         }
     } else {
         admit_lines(c, src, data, len);
     }
-    waiting = c->len > 0 || c->dropping;
+    note_waiting(c, was_waiting);
+    still = waiting(c);
     pthread_mutex_unlock(&c->mu);
-    return waiting;
+    return still;
 }
 
 int torchmp_console_pump(torchmp_console *c)
 {
-    int waiting;
+    int still;
     pthread_mutex_lock(&c->mu);
     if (c->mode == MODE_QUEUE || c->broken_errno != 0) {
+        still = c->broken_errno == 0 && waiting(c);
         pthread_mutex_unlock(&c->mu);
-        return 0;
+        return still;
     }
     for (;;) {
         ssize_t n;
@@ -529,27 +387,31 @@ int torchmp_console_pump(torchmp_console *c)
             append_markers(c);
             continue;
         }
-        n = write_some(c, c->buf + c->start, c->len);
+        n = torchmp_console_write_some(c, c->buf + c->start, c->len);
         if (n < 0) {
             console_break(c, errno);
             break;
         }
+        note_shown(c, (size_t)n, 1);
         c->start += (size_t)n;
         c->len -= (size_t)n;
         if (c->len > 0)
             break;
     }
-    waiting = c->len > 0 || c->dropping;
+    /* Bytes held back for the loop to give (behind) count as waiting for
+     * the caller's accounting, but not for the fd's writability: 1 only
+     * while the backlog has bytes the fd did not take. */
+    still = c->broken_errno == 0 && (c->len > 0 || c->dropping);
     pthread_mutex_unlock(&c->mu);
-    return waiting;
+    return still;
 }
 
 char *torchmp_console_take(torchmp_console *c, size_t *len)
 {
     char *out = NULL;
+    int ask_more = 0;
     *len = 0;
     pthread_mutex_lock(&c->mu);
-    queue_unnotify(c);
     if (c->len == 0 && c->dropping)
         append_markers(c);
     if (c->len > 0) {
@@ -557,20 +419,73 @@ char *torchmp_console_take(torchmp_console *c, size_t *len)
         if (out != NULL) {
             memcpy(out, c->buf + c->start, c->len);
             *len = c->len;
+            note_shown(c, c->len, 1);
             c->len = 0;
             backlog_emptied(c);
             /* Caught up: the marker lines follow at the next take. */
             if (c->dropping)
-                queue_notify(c);
+                torchmp_queues_post();
+            ask_more = c->behind > 0 && c->wake_fd >= 0;
         }
     }
     pthread_mutex_unlock(&c->mu);
+    if (ask_more)
+        torchmp_loop_notify_post(c->wake_fd); /* the loop refills from the logs */
     return out;
 }
 
-int torchmp_console_notify_fd(const torchmp_console *c)
+size_t torchmp_console_room(torchmp_console *c, size_t limit)
 {
-    return c->notify_r;
+    size_t room;
+    pthread_mutex_lock(&c->mu);
+    if (c->broken_errno != 0)
+        room = SIZE_MAX; /* whatever is given is dropped at once */
+    else if (c->dropping)
+        room = 0;        /* the markers of other sources first */
+    else
+        room = c->len < limit ? limit - c->len : 0;
+    pthread_mutex_unlock(&c->mu);
+    return room;
+}
+
+void torchmp_console_hold(torchmp_console *c, int64_t delta, int wake_fd)
+{
+    int was_waiting;
+    pthread_mutex_lock(&c->mu);
+    was_waiting = waiting(c);
+    if (delta < 0 && (uint64_t)(-delta) > c->behind)
+        c->behind = 0;
+    else
+        c->behind += (uint64_t)delta;
+    if (wake_fd >= 0)
+        c->wake_fd = wake_fd;
+    note_waiting(c, was_waiting);
+    pthread_mutex_unlock(&c->mu);
+}
+
+int torchmp_console_take_resumed(torchmp_console *c)
+{
+    int r;
+    pthread_mutex_lock(&c->mu);
+    r = c->resumed;
+    c->resumed = 0;
+    pthread_mutex_unlock(&c->mu);
+    return r;
+}
+
+void torchmp_console_skipped(torchmp_console *c, const torchmp_console_source *src, uint64_t lines, uint64_t bytes)
+{
+    int was_ready;
+    if (bytes == 0)
+        return;
+    pthread_mutex_lock(&c->mu);
+    if (c->broken_errno == 0) {
+        was_ready = c->len > 0 || c->dropping;
+        append_marker(c, src->prefix, src->prefix_len, src->log_path, lines, bytes);
+        if (c->mode == MODE_QUEUE)
+            queue_became_ready(c, was_ready);
+    }
+    pthread_mutex_unlock(&c->mu);
 }
 
 int torchmp_console_fd(const torchmp_console *c)
@@ -582,7 +497,16 @@ size_t torchmp_console_pending(torchmp_console *c)
 {
     size_t n;
     pthread_mutex_lock(&c->mu);
-    n = c->len + (c->dropping ? 1 : 0);
+    n = c->broken_errno != 0 ? 0 : c->len + (size_t)c->behind + (c->dropping ? 1 : 0);
+    pthread_mutex_unlock(&c->mu);
+    return n;
+}
+
+uint64_t torchmp_console_shown(torchmp_console *c)
+{
+    uint64_t n;
+    pthread_mutex_lock(&c->mu);
+    n = c->shown;
     pthread_mutex_unlock(&c->mu);
     return n;
 }
@@ -596,12 +520,26 @@ int torchmp_console_broken(torchmp_console *c)
     return e;
 }
 
-int torchmp_console_same_target(const torchmp_console *c, int fd)
+int torchmp_console_is_queue(const torchmp_console *c)
 {
-    struct stat st;
-    if (c->mode == MODE_QUEUE || fstat(fd, &st) != 0)
+    return c->mode == MODE_QUEUE;
+}
+
+void torchmp_consoles_set_stall(int64_t ns)
+{
+    __atomic_store_n(&stall_ns, ns, __ATOMIC_RELAXED);
+}
+
+int64_t torchmp_consoles_stall(void)
+{
+    return __atomic_load_n(&stall_ns, __ATOMIC_RELAXED);
+}
+
+int torchmp_console_failure(int std_fd)
+{
+    if (std_fd != 1 && std_fd != 2)
         return 0;
-    return st.st_dev == c->dev && st.st_ino == c->ino;
+    return __atomic_exchange_n(&std_failures[std_fd], 0, __ATOMIC_RELAXED);
 }
 
 torchmp_console *torchmp_console_ref(torchmp_console *c)
@@ -613,7 +551,7 @@ torchmp_console *torchmp_console_ref(torchmp_console *c)
 void torchmp_console_unref(torchmp_console *c)
 {
     if (c != NULL && __atomic_sub_fetch(&c->refs, 1, __ATOMIC_ACQ_REL) == 0)
-        console_destroy(c);
+        torchmp_console_destroy(c);
 }
 
 int torchmp_console_shared(torchmp_console *c)

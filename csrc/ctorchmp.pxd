@@ -57,6 +57,7 @@ cdef extern from "torchmp.h" nogil:
         size_t prefix_len
         const char *log_path
         size_t limit
+        int bounded_by_caller
 
     torchmp_console *torchmp_console_open_fd(int fd)
     torchmp_console *torchmp_console_new_queue()
@@ -65,10 +66,18 @@ cdef extern from "torchmp.h" nogil:
     int torchmp_console_submit(torchmp_console *c, const torchmp_console_source *src, const char *data, size_t len)
     int torchmp_console_pump(torchmp_console *c)
     char *torchmp_console_take(torchmp_console *c, size_t *len)
-    int torchmp_console_notify_fd(const torchmp_console *c)
     size_t torchmp_console_pending(torchmp_console *c)
+    uint64_t torchmp_console_shown(torchmp_console *c)
     int torchmp_console_broken(torchmp_console *c)
     size_t torchmp_consoles_pending(int fd)
+    uint64_t torchmp_consoles_shown(int fd)
+    int torchmp_say(torchmp_console *queue, int fd, const char *data, size_t len)
+    void torchmp_consoles_set_stall(int64_t ns)
+    int torchmp_console_failure(int std_fd)
+    void torchmp_queues_post()
+    uint64_t torchmp_queues_generation()
+    int torchmp_queues_wait(uint64_t seen, int64_t timeout_ns)
+    void torchmp_queues_after_fork()
 
     ctypedef struct torchmp_framer:
         int timestamps
@@ -84,6 +93,7 @@ cdef extern from "torchmp.h" nogil:
         int *filtered_fd
         const torchmp_filters *filters
         int *filtered_errno
+        int64_t realtime_ns
 
     void torchmp_framer_init(torchmp_framer *f, const char *prefix, size_t prefix_len, size_t max_line)
     void torchmp_framer_free(torchmp_framer *f)

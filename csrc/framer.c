@@ -161,13 +161,20 @@ static int line_matches(const torchmp_filters *filters, const char *line, size_t
     return 0;
 }
 
-static size_t format_timestamp(char *out, size_t cap)
+/* realtime_ns: when the line arrived (0: now). */
+static size_t format_timestamp(char *out, size_t cap, int64_t realtime_ns)
 {
     struct timespec now;
     struct tm tm;
     size_t n;
     int wrote;
-    if (clock_gettime(CLOCK_REALTIME, &now) != 0 || gmtime_r(&now.tv_sec, &tm) == NULL)
+    if (realtime_ns > 0) {
+        now.tv_sec = (time_t)(realtime_ns / 1000000000LL);
+        now.tv_nsec = (long)(realtime_ns % 1000000000LL);
+    } else if (clock_gettime(CLOCK_REALTIME, &now) != 0) {
+        return 0;
+    }
+    if (gmtime_r(&now.tv_sec, &tm) == NULL)
         return 0;
     n = strftime(out, cap, "%Y-%m-%dT%H:%M:%S", &tm);
     if (n == 0)
@@ -193,7 +200,7 @@ static void emitter_init(emitter *e, torchmp_line_sinks *s)
 static void emit(emitter *e, const torchmp_framer *f, const char *line, size_t len)
 {
     if (f->timestamps && e->ts_len == 0)
-        e->ts_len = format_timestamp(e->ts, sizeof(e->ts));
+        e->ts_len = format_timestamp(e->ts, sizeof(e->ts), e->sinks->realtime_ns);
     if (console_on(e))
         batch_line(e, &e->console, 1, f, line, len);
     if (filtered_on(e) && line_matches(e->sinks->filters, line, len))
@@ -477,6 +484,14 @@ void torchmp_framer_tick(torchmp_framer *f, int64_t now_ns, torchmp_line_sinks *
         emitter_flush(&e);
     }
     set_deadline(f);
+}
+
+void torchmp_framer_discard(torchmp_framer *f)
+{
+    tail_clear(f);
+    f->continued = 0;
+    f->shown_valid = 0;
+    f->deadline_ns = 0;
 }
 
 void torchmp_framer_flush(torchmp_framer *f, torchmp_line_sinks *sinks)

@@ -3,9 +3,11 @@
  * the functions one of them calls in another.  Included by loop_*.c only
  * (first, after _GNU_SOURCE); the loop's public API is in torchmp.h.
  *
- *   loop_streams.c  tee pipes and return channels (open, read, frame, log,
- *                   keep the return channel's bytes, tail, close)
- *                   and the fd consoles they write to
+ *   loop_streams.c  tee pipes and return channels (open, read, log, keep
+ *                   the return channel's bytes, tail, close)
+ *   loop_consoles.c the consoles they are shown on: framing, holding lines
+ *                   back from a console that fell behind and catching it up
+ *                   from the log, torchmp's own lines
  *   loop_reap.c     a rank's exit: watched (pidfd, SIGCHLD scan, forkserver
  *                   trailer), recorded, waited for, reaped; signalling the
  *                   process groups that exits pin
@@ -55,17 +57,70 @@
  * pidfds in the exits set point at their torchmp_proc directly. */
 enum watch_kind { WATCH_CONTROL = 1, WATCH_STREAM = 2, WATCH_EXITS = 3, WATCH_CONSOLE = 4 };
 
-/* A console the loop writes to the launcher's fd 1 or 2 through (console.c),
- * one per target, shared by every stream teed there. */
+/* A console the loop writes to (console.c): the launcher's fd 1 or 2, one
+ * per target and shared by every stream teed there, or a queue console of
+ * Python's.  The loop holds back the lines of streams whose console fell
+ * behind and catches them up from their logs (loop_consoles.c). */
 typedef struct console_entry {
     int kind;                  /* WATCH_CONSOLE: first member, for dispatch */
     torchmp_console *console;
-    int users;                 /* streams writing to it */
+    int users;                 /* feeds writing to it, and the command using it */
     int watched;               /* 1: in the poller for writability (bytes wait);
                                 * -1: pumped on a timer instead; 0: idle */
     int watched_fd;            /* the fd registered (the console may close it) */
+    struct feed *held_head, *held_tail;   /* feeds held back, in turn */
+    int nheld;
+    struct said *said_head, *said_tail;   /* torchmp's own lines waiting for them */
+    size_t said_bytes;
+    torchmp_console_source own;           /* torchmp's own lines, as a source */
     struct console_entry *next;
 } console_entry;
+
+/* When bytes of a held-back feed arrived: up to log offset `end`. */
+typedef struct arrival {
+    uint64_t end;
+    int64_t mono_ns, real_ns;
+} arrival;
+
+/* A teed stream as its console sees it: its framing, and -- while the
+ * console cannot take its lines -- where in its log the console is.  Owned
+ * by its stream; outlives it while lines are held back (an orphan, owned by
+ * its console entry's held list). */
+typedef struct feed {
+    console_entry *entry;
+    torchmp_console_source source;        /* prefix and log_path point below */
+    char *prefix;
+    char *log_path;
+    torchmp_framer framer;
+    /* The log is the backlog (log_ok): every byte of the stream is in it, at
+     * log offsets [.., logged), and it can be read back by path. */
+    int log_ok;
+    dev_t log_dev;
+    ino_t log_ino;
+    uint64_t logged;           /* log offset after the stream's last byte */
+    uint64_t framed;           /* log offset of the first byte not framed (< logged: held) */
+    uint64_t line_end;         /* log offset after the last newline logged */
+    uint64_t held_newlines;    /* newlines in [framed, logged) */
+    arrival *arrivals;         /* while held: when the bytes after `framed` came */
+    size_t arrivals_first, arrivals_len, arrivals_cap;
+    int64_t arrival_grain_ns;  /* arrivals closer than this share an entry */
+    int held;                  /* on the entry's held list */
+    uint64_t flush_at;         /* held: show the tail once framed reaches it (0: no) */
+    int64_t flush_real_ns;     /* when that was asked */
+    int skip_line;             /* the start of the current line was left out */
+    struct stream *stream;     /* NULL once orphaned */
+    struct feed *next_held;
+} feed;
+
+/* torchmp's own lines for a console with held-back feeds: shown once each
+ * of those feeds has reached what it had logged when the lines came. */
+typedef struct said {
+    struct said *next;
+    size_t len;
+    int nwait;
+    struct { uint64_t id, logged; } *wait;
+    char data[];
+} said;
 
 typedef struct torchmp_proc torchmp_proc;
 
@@ -76,14 +131,9 @@ typedef struct stream {
     int log_errno;
     int which;                 /* STREAM_OUT, STREAM_ERR or STREAM_RET */
     char *prefix;
-    torchmp_framer framer;
-    /* TEE with a console: where the lines are shown, and what they are for
-     * the console's bound and marker line */
-    torchmp_console *console;
-    console_entry *console_entry;      /* fd consoles: the loop's entry */
-    torchmp_console_source source;
-    char *log_path;
-    /* on L->timed while the framer has a deadline (loop thread) */
+    torchmp_framer framer;     /* the filtered copy's framing (filters only) */
+    feed *feed;                /* TEE with a console */
+    /* on L->timed while a framer has a deadline (loop thread) */
     struct stream *timed_prev, *timed_next;
     int timed;
     /* STREAM_RET, the return channel: the bytes read so far (mu: Python
@@ -151,7 +201,8 @@ typedef struct group_waiter {
 } group_waiter;
 
 enum cmd_type {
-    CMD_SPAWN = 1, CMD_FINISH = 2, CMD_RELEASE = 3, CMD_PREPARE = 4, CMD_ADOPT = 5, CMD_DROP_UNSTARTED = 6
+    CMD_SPAWN = 1, CMD_FINISH = 2, CMD_RELEASE = 3, CMD_PREPARE = 4, CMD_ADOPT = 5, CMD_DROP_UNSTARTED = 6,
+    CMD_SAY = 7
 };
 
 typedef struct command {
@@ -163,6 +214,10 @@ typedef struct command {
     const pid_t *pids;         /* ADOPT */
     const int64_t *start_ns;   /* ADOPT: CLOCK_MONOTONIC at fork, or NULL for now */
     int by_forkserver;         /* ADOPT */
+    torchmp_console *console;  /* SAY: a queue console, or NULL for ... */
+    int console_fd;            /* SAY: ... the console of what the launcher's fd is */
+    const char *data;          /* SAY */
+    size_t len;                /* SAY */
     torchmp_spawn_error err;
     int result;
     int done;
@@ -189,8 +244,11 @@ typedef struct torchmp_loop {
     long pipe_budget;          /* pipe capacity we may still add to busy streams */
     char *console_scratch;     /* framed console lines are assembled here */
     char *filtered_scratch;
-    /* fd consoles (list changes under mu: Python reads the backlogs) */
+    /* consoles (list changes under mu: Python reads the backlogs) */
     console_entry *consoles;
+    int held_feeds;            /* feeds held back, on every console */
+    int said_entries;          /* consoles with torchmp's own lines waiting */
+    int catch_up_more;         /* catching up was cut short: poll again at once */
     /* streams whose framer has a deadline, and the earliest (a lower bound
      * once streams leave the list: waking early costs one pass) */
     struct stream *timed;
@@ -225,7 +283,6 @@ torchmp_loop *torchmp_loop_get(void);
 int torchmp_loop_submit(torchmp_loop *L, command *c, int wait_done);
 int torchmp_loop_notify_open(int *r, int *w);
 void torchmp_loop_notify_close(int *r, int *w);
-void torchmp_loop_notify_post(int w);
 
 /* ---- loop_streams.c ----------------------------------------------------- */
 
@@ -237,6 +294,27 @@ void torchmp_loop_stream_close(torchmp_loop *L, stream *s);
 void torchmp_loop_stream_free(torchmp_loop *L, stream *s);
 void torchmp_loop_streams_tick(torchmp_loop *L);
 int torchmp_loop_streams_timeout_ms(torchmp_loop *L);
+/* A framer of s may have a deadline now: (re)arm its timer. */
+void torchmp_loop_stream_rearm(torchmp_loop *L, stream *s);
+
+/* ---- loop_consoles.c ---------------------------------------------------- */
+
+/* The feed of a teed stream with a console (spec->sink or spec->console),
+ * log_fd its log (or -1); NULL with errno. */
+feed *torchmp_loop_feed_open(torchmp_loop *L, stream *s, const torchmp_stream_spec *spec, int log_fd);
+/* Bytes of the stream that arrived at now (already in its log if
+ * logged_ok): framed for the console, or held back. */
+void torchmp_loop_feed_push(torchmp_loop *L, feed *f, const char *data, size_t len, int64_t now, int logged_ok);
+/* The framer's deadline while the feed is live (0: none). */
+int64_t torchmp_loop_feed_deadline(const feed *f);
+void torchmp_loop_feed_tick(torchmp_loop *L, feed *f, int64_t now);
+/* Show the unterminated tail (now, or once caught up to here); the stream
+ * is freed (the feed goes too, or lives on while held). */
+void torchmp_loop_feed_flush(torchmp_loop *L, feed *f);
+void torchmp_loop_feed_release(torchmp_loop *L, feed *f);
+/* Give held-back feeds what their consoles have room for now. */
+void torchmp_loop_catch_up(torchmp_loop *L);
+int torchmp_loop_do_say(torchmp_loop *L, command *c);
 void torchmp_loop_console_entry_writable(torchmp_loop *L, console_entry *e);
 int torchmp_loop_consoles_poll(torchmp_loop *L);
 

@@ -1,9 +1,9 @@
 /*
  * The loop's streams: a worker's stdout/stderr teed from a pipe into its log
- * file, the console (framed lines, framer.c) and the filtered copy, or its
- * return channel read into memory; the last bytes kept for failure
- * reports; the fd consoles (console.c) the launcher's fd 1 and 2 are
- * written through.  Loop thread, except what `mu` guards for Python.
+ * file, its console (a feed: loop_consoles.c) and the filtered copy (framed
+ * lines, framer.c), or its return channel read into memory; the last bytes
+ * kept for failure reports.  Loop thread, except what `mu` guards for
+ * Python.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -16,118 +16,16 @@
 #include <string.h>
 #include <sys/ioctl.h>
 
-/* ---- consoles ----------------------------------------------------------- */
-
-/* The console for what the launcher's fd refers to now (one per target), or
- * NULL with errno.  Loop thread. */
-static console_entry *console_entry_for_fd(torchmp_loop *L, int fd)
-{
-    console_entry *e;
-    for (e = L->consoles; e != NULL; e = e->next) {
-        if (torchmp_console_same_target(e->console, fd)) {
-            e->users++;
-            return e;
-        }
-    }
-    e = calloc(1, sizeof(*e));
-    if (e == NULL)
-        return NULL;
-    e->kind = WATCH_CONSOLE;
-    e->console = torchmp_console_open_fd(fd);
-    if (e->console == NULL) {
-        int saved = errno;
-        free(e);
-        errno = saved;
-        return NULL;
-    }
-    e->users = 1;
-    pthread_mutex_lock(&L->mu);
-    e->next = L->consoles;
-    L->consoles = e;
-    pthread_mutex_unlock(&L->mu);
-    return e;
-}
-
-/* Free an fd console nobody writes to once it has nothing left to show. */
-static void console_entry_maybe_free(torchmp_loop *L, console_entry *e)
-{
-    console_entry **link;
-    if (e->users > 0 || e->watched)
-        return;
-    pthread_mutex_lock(&L->mu);
-    for (link = &L->consoles; *link != NULL; link = &(*link)->next) {
-        if (*link == e) {
-            *link = e->next;
-            break;
-        }
-    }
-    pthread_mutex_unlock(&L->mu);
-    torchmp_console_unref(e->console);
-    free(e);
-}
-
-/* Bytes wait in the console: write the rest when its fd takes more. */
-static void console_entry_watch(torchmp_loop *L, console_entry *e)
-{
-    int fd;
-    if (e->watched)
-        return;
-    fd = torchmp_console_fd(e->console);
-    if (fd >= 0 && torchmp_poller_add_writable(L->poller, fd, e) == 0) {
-        e->watched = 1;
-        e->watched_fd = fd;
-        return;
-    }
-    /* A target epoll cannot watch (a regular file someone made
-     * non-blocking), or no memory: retry on a short timer instead. */
-    e->watched = -1;
-    L->consoles_polled = 1;
-}
-
-/* Pump the consoles that could not be watched; 1 while any still waits. */
-int torchmp_loop_consoles_poll(torchmp_loop *L)
-{
-    int left = 0;
-    console_entry *e, *next;
-    for (e = L->consoles; e != NULL; e = next) {
-        next = e->next;
-        if (e->watched == -1) {
-            torchmp_loop_console_entry_writable(L, e);
-            left = 1;
-        }
-    }
-    return left;
-}
-
-void torchmp_loop_console_entry_writable(torchmp_loop *L, console_entry *e)
-{
-    if (torchmp_console_pump(e->console))
-        return;
-    /* By the number it was registered with (a broken console keeps its fd
-     * open until it is freed, so the number is still this watch's). */
-    if (e->watched == 1)
-        (void)torchmp_poller_del(L->poller, e->watched_fd);
-    e->watched = 0;
-    console_entry_maybe_free(L, e);
-}
-
 /* ---- streams ------------------------------------------------------------ */
 
-static void timed_add(torchmp_loop *L, stream *s)
+/* The earliest deadline of the stream's framers (0: none). */
+static int64_t stream_deadline(const stream *s)
 {
     int64_t d = s->framer.deadline_ns;
-    if (d == 0)
-        return;
-    if (!s->timed) {
-        s->timed = 1;
-        s->timed_prev = NULL;
-        s->timed_next = L->timed;
-        if (L->timed != NULL)
-            L->timed->timed_prev = s;
-        L->timed = s;
-    }
-    if (L->next_deadline_ns == 0 || d < L->next_deadline_ns)
-        L->next_deadline_ns = d;
+    int64_t c = s->feed != NULL ? torchmp_loop_feed_deadline(s->feed) : 0;
+    if (d == 0 || (c != 0 && c < d))
+        d = c;
+    return d;
 }
 
 static void timed_remove(torchmp_loop *L, stream *s)
@@ -144,31 +42,42 @@ static void timed_remove(torchmp_loop *L, stream *s)
     s->timed_prev = s->timed_next = NULL;
 }
 
-static torchmp_line_sinks stream_sinks(stream *s)
+void torchmp_loop_stream_rearm(torchmp_loop *L, stream *s)
+{
+    int64_t d = stream_deadline(s);
+    if (d == 0) {
+        timed_remove(L, s);
+        return;
+    }
+    if (!s->timed) {
+        s->timed = 1;
+        s->timed_prev = NULL;
+        s->timed_next = L->timed;
+        if (L->timed != NULL)
+            L->timed->timed_prev = s;
+        L->timed = s;
+    }
+    if (L->next_deadline_ns == 0 || d < L->next_deadline_ns)
+        L->next_deadline_ns = d;
+}
+
+/* The filtered copy's framing (console: none, that is the feed's). */
+static int filtered(const stream *s)
+{
+    return s->proc->group->has_filters[s->which] && s->proc->group->filtered_fd[s->which] >= 0;
+}
+
+static torchmp_line_sinks filtered_sinks(stream *s)
 {
     torchmp_group *g = s->proc->group;
     torchmp_line_sinks sinks;
-    sinks.console_buf = g->loop->console_scratch;
+    memset(&sinks, 0, sizeof(sinks));
     sinks.filtered_buf = g->loop->filtered_scratch;
     sinks.scratch_cap = SCRATCH_SIZE;
-    sinks.console = s->console;
-    sinks.source = &s->source;
-    sinks.console_waiting = 0;
     sinks.filtered_fd = &g->filtered_fd[s->which];
     sinks.filtered_errno = &g->filtered_errno[s->which];
-    sinks.filters = g->has_filters[s->which] ? &g->filters[s->which] : NULL;
+    sinks.filters = &g->filters[s->which];
     return sinks;
-}
-
-/* After the framer ran: arm its timer, and the console's writability. */
-static void stream_after_frame(torchmp_loop *L, stream *s, const torchmp_line_sinks *sinks)
-{
-    if (s->framer.deadline_ns != 0)
-        timed_add(L, s);
-    else
-        timed_remove(L, s);
-    if (sinks->console_waiting && s->console_entry != NULL)
-        console_entry_watch(L, s->console_entry);
 }
 
 static void ret_append(torchmp_loop *L, stream *s, const char *data, size_t len)
@@ -216,7 +125,6 @@ static void tail_append_locked(stream *s, const char *data, size_t len)
 
 static void stream_consume(torchmp_loop *L, stream *s, const char *data, size_t len)
 {
-    torchmp_line_sinks sinks;
     int64_t now;
     if (s->which == STREAM_RET) {
         ret_append(L, s, data, len);
@@ -236,19 +144,26 @@ static void stream_consume(torchmp_loop *L, stream *s, const char *data, size_t 
     if (s->tail != NULL)
         tail_append_locked(s, data, len);
     pthread_mutex_unlock(&L->mu);
-    sinks = stream_sinks(s);
-    (void)torchmp_framer_feed(&s->framer, data, len, now, &sinks);
-    stream_after_frame(L, s, &sinks);
+    if (filtered(s)) {
+        torchmp_line_sinks sinks = filtered_sinks(s);
+        (void)torchmp_framer_feed(&s->framer, data, len, now, &sinks);
+    }
+    if (s->feed != NULL)
+        torchmp_loop_feed_push(L, s->feed, data, len, now, s->log_fd >= 0);
+    torchmp_loop_stream_rearm(L, s);
 }
 
 static void stream_flush_partial(torchmp_loop *L, stream *s)
 {
-    torchmp_line_sinks sinks;
     if (s->which == STREAM_RET)
         return;
-    sinks = stream_sinks(s);
-    torchmp_framer_flush(&s->framer, &sinks);
-    stream_after_frame(L, s, &sinks);
+    if (filtered(s)) {
+        torchmp_line_sinks sinks = filtered_sinks(s);
+        torchmp_framer_flush(&s->framer, &sinks);
+    }
+    if (s->feed != NULL)
+        torchmp_loop_feed_flush(L, s->feed);
+    timed_remove(L, s);
 }
 
 /* The framers whose time has come: idle partial lines, progress states. */
@@ -260,17 +175,20 @@ void torchmp_loop_streams_tick(torchmp_loop *L)
         return;
     L->next_deadline_ns = 0;
     for (s = L->timed; s != NULL; s = next) {
+        int64_t d;
         next = s->timed_next;
         if (s->framer.deadline_ns != 0 && s->framer.deadline_ns <= now) {
-            torchmp_line_sinks sinks = stream_sinks(s);
+            torchmp_line_sinks sinks = filtered_sinks(s);
             torchmp_framer_tick(&s->framer, now, &sinks);
-            if (sinks.console_waiting && s->console_entry != NULL)
-                console_entry_watch(L, s->console_entry);
         }
-        if (s->framer.deadline_ns == 0)
+        d = s->feed != NULL ? torchmp_loop_feed_deadline(s->feed) : 0;
+        if (d != 0 && d <= now)
+            torchmp_loop_feed_tick(L, s->feed, now);
+        d = stream_deadline(s);
+        if (d == 0)
             timed_remove(L, s);
-        else if (L->next_deadline_ns == 0 || s->framer.deadline_ns < L->next_deadline_ns)
-            L->next_deadline_ns = s->framer.deadline_ns;
+        else if (L->next_deadline_ns == 0 || d < L->next_deadline_ns)
+            L->next_deadline_ns = d;
     }
 }
 
@@ -379,16 +297,10 @@ void torchmp_loop_stream_free(torchmp_loop *L, stream *s)
 {
     timed_remove(L, s);
     torchmp_framer_free(&s->framer);
-    if (s->console_entry != NULL) {
-        s->console_entry->users--;
-        console_entry_maybe_free(L, s->console_entry);
-        s->console_entry = NULL;
-    } else {
-        torchmp_console_unref(s->console);
+    if (s->feed != NULL) {
+        torchmp_loop_feed_release(L, s->feed);
+        s->feed = NULL;
     }
-    s->console = NULL;
-    free(s->log_path);
-    s->log_path = NULL;
     free(s->prefix);
     s->prefix = NULL;
     free(s->ret_buf);
@@ -431,24 +343,11 @@ int torchmp_loop_stream_open(torchmp_loop *L, torchmp_proc *p, int which, const 
         s->prefix[spec->prefix_len] = '\0';
         torchmp_framer_init(&s->framer, s->prefix, spec->prefix_len, MAX_LINE);
         s->framer.timestamps = spec->timestamps;
-        if (spec->log_path != NULL) {
-            s->log_path = strdup(spec->log_path);
-            if (s->log_path == NULL)
+        if (spec->sink != NULL || spec->console == 1 || spec->console == 2) {
+            s->feed = torchmp_loop_feed_open(L, s, spec, s->log_fd);
+            if (s->feed == NULL)
                 goto fail;
         }
-        if (spec->sink != NULL) {
-            s->console = torchmp_console_ref(spec->sink);
-        } else if (spec->console == 1 || spec->console == 2) {
-            s->console_entry = console_entry_for_fd(L, spec->console);
-            if (s->console_entry == NULL)
-                goto fail;
-            s->console = s->console_entry->console;
-        }
-        s->source.id = ++L->stream_serial;
-        s->source.prefix = s->prefix;
-        s->source.prefix_len = spec->prefix_len;
-        s->source.log_path = s->log_path;
-        s->source.limit = spec->backlog_limit;
         if (spec->tail_bytes > 0) {
             s->tail = malloc(spec->tail_bytes);
             if (s->tail == NULL)

@@ -163,6 +163,10 @@ static void run_commands(torchmp_loop *L)
         case CMD_ADOPT:
             c->result = torchmp_loop_do_adopt(L, c);
             break;
+        case CMD_SAY:
+            c->result = torchmp_loop_do_say(L, c);
+            c->err.errnum = c->result < 0 ? errno : 0;
+            break;
         case CMD_DROP_UNSTARTED:
             for (int i = 0; i < c->group->nprocs; i++) {
                 if (c->group->procs[i].info.state == TORCHMP_PROC_UNSTARTED)
@@ -202,6 +206,8 @@ static void *loop_main(void *arg)
         int n;
         if (L->consoles_polled && (timeout < 0 || timeout > 10))
             timeout = 10;
+        if (L->catch_up_more)
+            timeout = 0;
         n = torchmp_poller_wait(L->poller, events, MAX_EVENTS, timeout);
         if (n < 0) {
             /* EBADF/EINVAL would mean our own bookkeeping broke; ENOMEM is
@@ -235,6 +241,8 @@ static void *loop_main(void *arg)
         torchmp_loop_streams_tick(L);
         if (L->consoles_polled)
             L->consoles_polled = torchmp_loop_consoles_poll(L);
+        if (L->held_feeds > 0 || L->said_entries > 0)
+            torchmp_loop_catch_up(L);
         torchmp_loop_collect_groups(L);
     }
     return NULL;
@@ -389,19 +397,54 @@ int torchmp_loop_fd_count(void)
     return n;
 }
 
-size_t torchmp_consoles_pending(int fd)
+/* The launcher's consoles (not Python's queues) of what fd refers to (all
+ * if fd < 0): bytes waiting, or bytes taken so far. */
+static uint64_t consoles_sum(int fd, int shown)
 {
     torchmp_loop *L = the_loop;
-    size_t n = 0;
+    uint64_t n = 0;
     if (L == NULL || L->owner_pid != getpid())
         return 0;
     pthread_mutex_lock(&L->mu);
     for (console_entry *e = L->consoles; e != NULL; e = e->next) {
-        if (fd < 0 || torchmp_console_same_target(e->console, fd))
-            n += torchmp_console_pending(e->console);
+        if (torchmp_console_is_queue(e->console) || (fd >= 0 && !torchmp_console_same_target(e->console, fd)))
+            continue;
+        n += shown ? torchmp_console_shown(e->console) : torchmp_console_pending(e->console);
     }
     pthread_mutex_unlock(&L->mu);
     return n;
+}
+
+size_t torchmp_consoles_pending(int fd)
+{
+    return (size_t)consoles_sum(fd, 0);
+}
+
+uint64_t torchmp_consoles_shown(int fd)
+{
+    return consoles_sum(fd, 1);
+}
+
+int torchmp_say(torchmp_console *queue, int fd, const char *data, size_t len)
+{
+    torchmp_loop *L = torchmp_loop_get();
+    command c;
+    if (L == NULL)
+        return -1;
+    if (queue == NULL && fd != 1 && fd != 2) {
+        errno = EINVAL;
+        return -1;
+    }
+    memset(&c, 0, sizeof(c));
+    c.type = CMD_SAY;
+    c.console = queue;
+    c.console_fd = fd;
+    c.data = data;
+    c.len = len;
+    torchmp_loop_submit(L, &c, 1);
+    if (c.result < 0)
+        errno = c.err.errnum;
+    return c.result;
 }
 
 #define SUBMIT_SPIN_NS 200000

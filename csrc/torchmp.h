@@ -157,12 +157,15 @@ const char *torchmp_step_name(int step);
 int torchmp_child_setup(const torchmp_spawn_args *a, int keep_fd, int close_others);
 
 /* ---------------------------------------------------------------------------
- * console.c: a place teed lines are shown that never blocks the I/O thread.
- * Whole lines only; what the console cannot take now waits in a backlog
- * bounded per source, and past the bound whole lines are dropped from the
- * console (never from the log) until the backlog has drained, when one marker
- * line per source says how many and where the complete log is.  Reference
- * counted (atomically); every function but ref/unref serialises internally.
+ * console.c, console_target.c: a place teed lines are shown that never
+ * blocks the I/O thread.  Whole lines only; what the console cannot take now
+ * waits in a backlog bounded per source.  A source the caller bounds itself
+ * (the loop, which holds back the lines of a stream whose log is complete and
+ * catches them up from the log later) is queued whole; for other sources,
+ * past the bound whole lines are dropped from the console (never from the
+ * log) until the backlog has drained, when one marker line per source says
+ * how many and where the complete log is.  Reference counted (atomically);
+ * every function but ref/unref serialises internally.
  */
 typedef struct torchmp_console torchmp_console;
 
@@ -173,34 +176,72 @@ typedef struct {
     size_t prefix_len;
     const char *log_path;      /* the complete log, or NULL */
     size_t limit;              /* backlog bound for this source's lines, bytes */
+    int bounded_by_caller;     /* queue whatever comes: the caller keeps the bound */
 } torchmp_console_source;
 
 /* A console writing to what fd refers to now (fd itself is not kept: a
  * private dup or reopened description is).  NULL with errno. */
 torchmp_console *torchmp_console_open_fd(int fd);
-/* A console whose lines are taken by its owner (torchmp_console_take);
- * torchmp_console_notify_fd is readable while bytes wait.  NULL with errno. */
+/* A console whose lines are taken by its owner (torchmp_console_take), who
+ * sleeps in torchmp_queues_wait.  NULL with errno. */
 torchmp_console *torchmp_console_new_queue(void);
 torchmp_console *torchmp_console_ref(torchmp_console *c);
 void torchmp_console_unref(torchmp_console *c);
 /* More than one reference is held. */
 int torchmp_console_shared(torchmp_console *c);
 /* Show data (whole lines from src) or queue / drop them.  Returns 1 while
- * bytes (or marker lines) wait: the caller pumps once the fd is writable. */
+ * bytes wait (held back ones included). */
 int torchmp_console_submit(torchmp_console *c, const torchmp_console_source *src, const char *data, size_t len);
-/* Write what waits, without blocking; 1 while bytes still wait. */
+/* Write what the backlog holds, without blocking; 1 while some of it waits
+ * for the fd to take more. */
 int torchmp_console_pump(torchmp_console *c);
-/* A queue console's waiting bytes (malloc'ed; NULL and *len = 0: none). */
+/* A queue console's waiting bytes (malloc'ed; NULL and *len = 0: none).
+ * Asks the loop for more (wake_fd) while bytes are held back for it. */
 char *torchmp_console_take(torchmp_console *c, size_t *len);
-int torchmp_console_notify_fd(const torchmp_console *c);
 /* The fd the console writes to (poll it for POLLOUT), -1 if none. */
 int torchmp_console_fd(const torchmp_console *c);
-/* Bytes waiting (plus one while marker lines are due). */
+/* Bytes waiting, held back ones included (plus one while marker lines are
+ * due); 0 once the console is switched off. */
 size_t torchmp_console_pending(torchmp_console *c);
+/* Bytes the target has taken so far (its progress). */
+uint64_t torchmp_console_shown(torchmp_console *c);
 /* The errno that switched the console off, 0 while it works. */
 int torchmp_console_broken(torchmp_console *c);
+int torchmp_console_is_queue(const torchmp_console *c);
 /* Whether fd refers to the target this (fd) console writes to. */
 int torchmp_console_same_target(const torchmp_console *c, int fd);
+
+/* For the loop, which holds lines back and catches them up from logs:
+ * how many bytes of a source with this bound the backlog can take now (0
+ * while other sources' marker lines are due, SIZE_MAX once switched off);
+ * the bytes held back for the console changed by delta (wake_fd >= 0: the
+ * fd a queue console's take posts to ask for more); whether the console
+ * took bytes again after a stall (cleared by the call: the held-back lines
+ * are then left out); a marker line for lines left out. */
+size_t torchmp_console_room(torchmp_console *c, size_t limit);
+void torchmp_console_hold(torchmp_console *c, int64_t delta, int wake_fd);
+int torchmp_console_take_resumed(torchmp_console *c);
+void torchmp_console_skipped(torchmp_console *c, const torchmp_console_source *src, uint64_t lines, uint64_t bytes);
+
+/* A console that takes nothing for this long while bytes wait for it is
+ * stalled (default 10 s; <= 0: never). */
+void torchmp_consoles_set_stall(int64_t ns);
+int64_t torchmp_consoles_stall(void);
+/* Why the console of the launcher's fd 1 or 2 was switched off (ENOSPC,
+ * ...), unless its reader went away (EPIPE, EIO); 0 if not.  Read once. */
+int torchmp_console_failure(int std_fd);
+
+/* The takers of queue consoles: a counter that moves whenever a queue
+ * console gets bytes for its taker (or torchmp_queues_post is called), and a
+ * wait (timeout_ns < 0: none) until it is no longer `seen`; 1 if it moved. */
+void torchmp_queues_post(void);
+uint64_t torchmp_queues_generation(void);
+int torchmp_queues_wait(uint64_t seen, int64_t timeout_ns);
+/* In a forked child, before any of the above. */
+void torchmp_queues_after_fork(void);
+
+/* Wake a loop's wake-up channel (async-signal-safe; loop_thread.c). */
+void torchmp_loop_notify_post(int w);
 
 /* ---------------------------------------------------------------------------
  * framer.c: console line framing for one stream.
@@ -264,6 +305,7 @@ typedef struct torchmp_line_sinks {
     int *filtered_fd;                  /* NULL or shared per context */
     const torchmp_filters *filters;    /* NULL: no filtered copy */
     int *filtered_errno;
+    int64_t realtime_ns;               /* the lines' arrival for timestamps (0: now) */
 } torchmp_line_sinks;
 
 void torchmp_framer_init(torchmp_framer *f, const char *prefix, size_t prefix_len, size_t max_line);
@@ -275,6 +317,8 @@ int torchmp_framer_feed(torchmp_framer *f, const char *data, size_t len, int64_t
 void torchmp_framer_tick(torchmp_framer *f, int64_t now_ns, torchmp_line_sinks *sinks);
 /* The end of the stream: show the unterminated tail, if any. */
 void torchmp_framer_flush(torchmp_framer *f, torchmp_line_sinks *sinks);
+/* Forget the unterminated tail (its bytes are left out). */
+void torchmp_framer_discard(torchmp_framer *f);
 
 /* write(2) all of buf, retrying EINTR/partial writes and waiting out EAGAIN.
  * 0 or -1 with errno. */
@@ -499,10 +543,18 @@ void torchmp_group_release(torchmp_group *g);
 /* Number of fds the loop holds (for tests of the fd budget). */
 int torchmp_loop_fd_count(void);
 
-/* Bytes still waiting for the launcher's fd 1 / fd 2 consoles (plus one per
- * console whose marker lines are due): 0 once every console caught up.
+/* Bytes still waiting for the launcher's fd 1 / fd 2 consoles, held-back
+ * ones included (plus one per console whose marker lines are due): 0 once
+ * every console caught up; and the bytes they took so far (their progress).
  * fd >= 0: only the console of what fd refers to. */
 size_t torchmp_consoles_pending(int fd);
+uint64_t torchmp_consoles_shown(int fd);
+
+/* torchmp's own whole lines, to the console of what the launcher's fd (1 or
+ * 2) refers to, or to a queue console: written without blocking, after the
+ * lines of the workers logged before them.  1 if queued or shown, 0 if left
+ * out (the bound), -1 with errno. */
+int torchmp_say(torchmp_console *queue, int fd, const char *data, size_t len);
 
 /* ---------------------------------------------------------------------------
  * keeper.c: one process per launcher that SIGKILLs the registered process

@@ -12,10 +12,12 @@ workers stop on their full tee pipes, and wait() never returns.  Checked:
 * every log file is byte-exact;
 * fail-fast works while the console is stalled;
 * once the test drains the pipe (only after the launcher reported that
-  wait() returned), the launcher finishes, and what the console got is whole
-  prefixed worker lines and marker lines only: no torn line, one marker per
-  stream that lost lines, and the marker counts plus the lines shown add up
-  to the lines written.
+  wait() returned), the launcher finishes, and the console got every line,
+  whole, prefixed, in order, once: the log files were its backlog;
+* a console that took nothing for the stall time (TORCHMP_CONSOLE_STALL)
+  has whole lines left out instead, with one marker per stream that lost
+  lines, and the marker counts plus the lines shown add up to the lines
+  written.
 
 Every launch carries a unique ``TORCHMP_TEST_TAG`` that its workers inherit;
 cleanup kills leftovers by that tag and by the launcher's process group
@@ -122,6 +124,9 @@ with open(P["report"] + ".tmp", "w") as f:
     json.dump(report, f)
 os.rename(P["report"] + ".tmp", P["report"])
 ctx.close()
+if P["hold"]:  # the exit waits as long as the test wants the console unread
+    while not os.path.exists(P["hold"]):
+        time.sleep(0.01)
 """
 
 
@@ -203,7 +208,8 @@ def stalled():
     launchers = Launchers()
 
     def start(tmp: Path, *, streams: str = "out", mode: str = "ok", nranks: int = NRANKS,
-              lines: int = LINES, cli: bool = False, pty: bool = False) -> Launch:
+              lines: int = LINES, cli: bool = False, pty: bool = False, env: dict | None = None,
+              hold: bool = False) -> Launch:
         flags = tmp / "flags"
         flags.mkdir()
         log_dir = tmp / "logs"
@@ -224,14 +230,16 @@ def stalled():
                 stderr = err_file
             if cli:
                 launcher = launchers.start(_cli_argv(flags, log_dir, nranks, lines), stdout=w, stderr=stderr,
-                                           unset=("TORCHELASTIC_SIGNALS_TO_HANDLE", "PYTHONUNBUFFERED"))
+                                           unset=("TORCHELASTIC_SIGNALS_TO_HANDLE", "PYTHONUNBUFFERED"), env=env)
             else:
                 params = json.dumps({
                     "worker": WORKER, "lines": lines, "streams": streams, "mode": mode,
                     "flags": str(flags), "nranks": nranks, "log_dir": str(log_dir),
-                    "report": str(report), "wait_timeout": 120})
+                    "report": str(report), "wait_timeout": 120,
+                    "hold": str(tmp / "hold") if hold else ""})
                 # The library launches: TORCHELASTIC_SIGNALS_TO_HANDLE is left as it is.
-                launcher = launchers.python(LAUNCHER.format(params=params), stdout=w, stderr=stderr, unset=())
+                launcher = launchers.python(LAUNCHER.format(params=params), stdout=w, stderr=stderr, unset=(),
+                                            env=env)
         except BaseException:
             os.close(r)
             raise
@@ -379,8 +387,11 @@ def test_wait_returns_while_the_console_is_unread(stalled, tmp_path, streams, pt
     assert launch.proc.poll() is None, "the launcher exited with its console backlog unshown"
     console = parse_console(launch.drain())
     assert launch.finish() == 0, launch.stderr_text()
+    # 8 MB through a full pipe and a 4 MiB backlog: the logs were the
+    # backlog, so a console that was stalled for less than the stall time
+    # gets every line.
+    assert console.markers == []
     check_console(console, logs, written)
-    assert console.markers, "8 MB through a full pipe and a 4 MiB backlog, and nothing was dropped?"
     if launch.stderr_path is not None:
         assert launch.stderr_text() == ""
 
@@ -409,8 +420,8 @@ def test_fail_fast_while_the_console_is_stalled(stalled, tmp_path):
     assert launch.proc.poll() is None, "the launcher exited with its console backlog unshown"
     console = parse_console(launch.drain())
     assert launch.finish() == 0, launch.stderr_text()
+    assert console.markers == []
     check_console(console, logs, written)
-    assert console.markers
     assert "Traceback" not in launch.stderr_text()
 
 
@@ -452,17 +463,17 @@ def test_torchmp_run_with_an_unread_stdout_pipe(stalled, tmp_path):
     assert code == 0, err
     assert re.search(rf"^torchmp: summary of w: {nranks}/{nranks} ranks succeeded, exit code 0, ", err, re.M), err
     assert "Traceback" not in err
+    assert console.markers == []
     check_console(console, logs, written)
-    assert console.markers
     for r in range(nranks):
         assert (attempt / str(r) / "stderr.log").read_bytes() == b""
 
 
-def test_a_slow_reader_gets_whole_lines_and_the_counts_add_up(stalled, tmp_path):
+def test_a_slow_reader_gets_every_line(stalled, tmp_path):
     # The console is read from the start, but slower than the workers write
-    # (64 KiB every 10 ms): it falls behind, catches up, maybe falls behind
-    # again.  Whatever the timing: whole lines, and the marker lines account
-    # for every line not shown.
+    # (64 KiB every 10 ms): it falls behind the 4 MiB backlog again and
+    # again.  It is alive, only slow: it gets every line, whole, in order,
+    # once (the logs are the backlog), and no marker.
     launch = stalled(tmp_path)
     console = parse_console(launch.drain(nap=0.01, size=64 * 1024))
     assert launch.finish() == 0, launch.stderr_text()
@@ -471,7 +482,31 @@ def test_a_slow_reader_gets_whole_lines_and_the_counts_add_up(stalled, tmp_path)
     logs = report_logs(report, "out", NRANKS)
     written = {key: LINES for key in logs}
     check_logs(logs, written)
-    check_console(console, logs, written, episodes=LINES)
+    assert console.markers == []
+    check_console(console, logs, written)
+
+
+@pytest.mark.parametrize("streams", ["out", "out,err"], ids=["stdout-pipe", "stdout-and-stderr-2>&1-pipe"])
+def test_a_console_that_takes_nothing_for_the_stall_time_has_lines_left_out(stalled, tmp_path, streams):
+    # The same unread pipe, but the launcher's stall time is 0.3 s and the
+    # test reads nothing for 1.5 s after wait() returned: the console made
+    # no progress at all.  When it is read again it gets the lines it held,
+    # then one marker per stream for the whole lines it was not given, then
+    # whatever came later -- never a torn line, and the counts add up.
+    lines = LINES if streams == "out" else LINES // 2
+    launch = stalled(tmp_path, streams=streams, lines=lines, env={"TORCHMP_CONSOLE_STALL": "0.3"}, hold=True)
+    report = launch.wait_report()
+    assert report["result"] and report["failures"] == {}
+    assert report["pending"] > 0
+    time.sleep(1.5)
+    (tmp_path / "hold").touch()  # the launcher may exit (its exit waits while the console moves)
+    logs = report_logs(report, streams, NRANKS)
+    written = {key: lines for key in logs}
+    check_logs(logs, written)
+    console = parse_console(launch.drain())
+    assert launch.finish() == 0, launch.stderr_text()
+    assert console.markers, "a console that took nothing for 1.5 s (stall time 0.3 s) had nothing left out"
+    check_console(console, logs, written)
 
 
 @pytest.mark.parametrize("backlog", [0, 10000, None], ids=["backlog-0", "backlog-10000", "default-backlog"])

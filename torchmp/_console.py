@@ -1,18 +1,30 @@
 """Where teed lines are shown, and the console policy around it.
 
-The I/O thread never blocks on a console (``csrc/console.c``): what a
-console cannot take now waits in a backlog bounded per stream; past the bound
-whole lines are dropped from the console only and a marker line says how many
-and where the complete log is.  This module owns the Python half:
+The I/O thread never blocks on a console (``csrc/console.c``) and never
+loses a line a live console can still take (``csrc/loop_consoles.c``): what
+a console cannot take now waits in a backlog bounded per stream, and a
+stream with a log file that falls behind the bound is held back and caught
+up from its log later.  This module owns the Python half:
 
 * which console a teed stream goes to: the launcher's own fd 1 / fd 2 when
-  ``sys.stdout`` / ``sys.stderr`` is that fd, else the object itself (a
-  notebook's stream, ``contextlib.redirect_stdout``, a captured test run),
-  fed by a forwarding thread so the I/O thread never needs the GIL;
+  ``sys.stdout`` / ``sys.stderr`` is that fd (a plain file object whose
+  ``write`` nobody replaced), else the object itself (a notebook's stream,
+  ``contextlib.redirect_stdout``, a captured run, a wrapped ``write``), fed by
+  a forwarding thread (``_console_objects``) so the I/O thread never needs
+  the GIL;
 * the bound (``console_backlog=``, ``TORCHMP_CONSOLE_BACKLOG``,
-  ``torchmp run --console-backlog``);
+  ``torchmp run --console-backlog``) and the stall time
+  (``TORCHMP_CONSOLE_STALL``): a console that takes nothing for that long
+  while lines wait for it has the lines it was not given yet left out, with a
+  marker, and is not waited for at exit;
+* torchmp's own words (logging, the failure report, the summary): through
+  the same console, after the workers' lines logged before them, never
+  blocking (``say``, ``ConsoleHandler``, the last-resort handler of the
+  ``torchmp`` loggers);
 * standard fds that were closed at start (occupied with /dev/null, so no log
   file can take fd 1 or 2 and be mistaken for a console; the console is off);
+* a console switched off by a failure other than its reader leaving (a full
+  file system): said once;
 * letting a live console catch up before results are returned and before the
   launcher exits, without ever waiting on a stalled one for long.
 """
@@ -20,25 +32,33 @@ and where the complete log is.  This module owns the Python half:
 from __future__ import annotations
 
 import atexit
+import errno
 import io
+import logging
 import os
 import re
-import select
 import sys
-import threading
 import time
 import weakref
 from typing import Any, TextIO
 
-from . import _core
+from . import _console_objects, _core
+from ._console_objects import Forwarder, ObjectConsole
+
+__all__ = ["Forwarder", "ObjectConsole"]
+
+logger = logging.getLogger("torchmp.console")
 
 DEFAULT_BACKLOG: int = _core.DEFAULT_CONSOLE_BACKLOG
 BACKLOG_ENV = "TORCHMP_CONSOLE_BACKLOG"
-# At exit, how long a console may make no progress before its backlog is
-# given up (a reader that resumes within it still gets every line).
+# How long a console may take nothing while lines wait for it before it
+# counts as stalled (then the lines it was not given yet are left out, and
+# the launcher's exit does not wait for it any longer).  The exit wait's old
+# name still works.
+STALL_ENV = "TORCHMP_CONSOLE_STALL"
 EXIT_STALL_ENV = "TORCHMP_CONSOLE_EXIT_WAIT"
-DEFAULT_EXIT_STALL = 10.0
-# When wait() has its result: how long a console that stopped moving is
+DEFAULT_STALL = 10.0
+# When wait() has its result: how long an fd console that stopped moving is
 # waited for (a live one is followed until it caught up).
 RESULT_STALL = 0.05
 
@@ -74,6 +94,27 @@ def backlog_bound(explicit: object = None) -> int:
     return DEFAULT_BACKLOG
 
 
+def stall_time() -> float:
+    """Seconds without progress after which a console is stalled."""
+    for name in (STALL_ENV, EXIT_STALL_ENV):
+        value = os.environ.get(name)
+        if value:
+            try:
+                return max(0.0, float(value))
+            except ValueError:
+                break
+    return DEFAULT_STALL
+
+
+def apply_stall() -> None:
+    """Hand the stall time in force to the native consoles (at each start)."""
+    _core.set_console_stall(stall_time())
+
+
+# Kept for callers of the old name.
+exit_stall = stall_time
+
+
 # -- standard fds closed at start ----------------------------------------------
 
 _closed_std_fds: set[int] = set()
@@ -103,175 +144,44 @@ def claim_std_fds() -> None:
         _closed_std_fds.add(fd)
 
 
-# -- consoles that are Python objects -------------------------------------------
+# -- which console ---------------------------------------------------------------
 
-class ObjectConsole:
-    """A teed stream's console that is a Python object: the I/O thread
-    queues framed lines natively; they are written to the object here."""
-
-    def __init__(self, target: Any) -> None:
-        self.target = target
-        self.queue = _core.QueueConsole()
-        self.lock = threading.Lock()
-        self.broken = False
-
-    def pump(self) -> None:
-        """Write whatever waits, in order (any thread)."""
-        with self.lock:
-            data = self.queue.take()
-            while data:
-                if not self.broken:
-                    self._write(data)
-                data = self.queue.take()  # marker lines follow a catch-up
-
-    def _write(self, data: bytes) -> None:
-        target = self.target
-        try:
-            raw = getattr(target, "buffer", None)
-            if isinstance(raw, (io.BufferedIOBase, io.RawIOBase)):
-                # Byte-exact: the text layer's pending output first.
-                target.flush()
-                raw.write(data)
-                raw.flush()
-            else:
-                target.write(data.decode("utf-8", "replace"))
-                flush = getattr(target, "flush", None)
-                if flush is not None:
-                    flush()
-        except Exception:
-            # Closed, its reader gone, or it refuses text: a console, not
-            # the job (and not the forwarding thread either).
-            self.broken = True
+def _writes_to_fd(target: Any, fd: int) -> bool:
+    """Whether writing to ``target`` is writing to the process's ``fd`` and
+    nothing else: a plain text file object on it whose ``write`` nobody
+    replaced (an experiment tracker that wraps ``sys.stdout.write`` in place
+    must see the lines, so its object gets them)."""
+    if not isinstance(target, io.TextIOWrapper) or type(target).write is not io.TextIOWrapper.write:
+        return False
+    if "write" in getattr(target, "__dict__", {}):
+        return False
+    try:
+        return target.fileno() == fd
+    except (AttributeError, OSError, ValueError):
+        return False
 
 
-class _ForwardingThread:
-    """The thread that writes object consoles' lines: it sleeps in poll()
-    (no GIL) on their notify fds, so lines reach a notebook while the
-    program does something else than wait().  One per process at most, and
-    only while some context has an object console: it ends (and closes its
-    wake pipe) when the last one is removed.  _lock guards everything here."""
-
-    def __init__(self, consoles: list[ObjectConsole]) -> None:
-        self.consoles = {c.queue.fileno(): c for c in consoles}
-        self.wake_r, self.wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        self.ended = False
-        self.thread = threading.Thread(target=self._run, name="torchmp-console", daemon=True)
-        self.thread.start()
-
-    def wake(self) -> None:
-        """(Under _lock.)"""
-        if self.ended:
-            return
-        try:
-            os.write(self.wake_w, b"x")
-        except BlockingIOError:
-            pass  # already awake
-
-    def _run(self) -> None:
-        global _thread
-        while True:
-            with _lock:
-                if not self.consoles:
-                    # Under the lock: nobody can wake a closed pipe (or
-                    # whatever reuses its fd numbers).
-                    if _thread is self:
-                        _thread = None
-                    self.ended = True
-                    os.close(self.wake_r)
-                    os.close(self.wake_w)
-                    return
-                watched = dict(self.consoles)
-            poller = select.poll()
-            poller.register(self.wake_r, select.POLLIN)
-            for fd in watched:
-                poller.register(fd, select.POLLIN)
-            try:
-                events = poller.poll()
-            except InterruptedError:
-                continue
-            for fd, _ in events:
-                if fd == self.wake_r:
-                    try:
-                        while os.read(self.wake_r, 64):
-                            pass
-                    except BlockingIOError:
-                        pass
-                elif fd in watched:
-                    watched[fd].pump()
-            del watched
-
-
-_thread: _ForwardingThread | None = None
-_lock = threading.Lock()
-# Bounds the wait for the forwarding thread to end: it is stuck only if a
-# console's write() is (then it is the console's problem, not close()'s).
-_THREAD_END_WAIT_S = 1.0
-
-
-def _forget_thread_after_fork() -> None:
-    global _thread, _lock
-    _thread = None  # the parent's thread does not exist in the child
-    _lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_thread_after_fork)
-
-
-class Forwarder:
-    """A context's object consoles, handed to the forwarding thread."""
-
-    def __init__(self, consoles: list[ObjectConsole]) -> None:
-        global _thread
-        self.consoles = consoles
-        self.stopped = False
-        with _lock:
-            if _thread is None:
-                _thread = _ForwardingThread(consoles)
-            else:
-                for c in consoles:
-                    _thread.consoles[c.queue.fileno()] = c
-                _thread.wake()
-            self.thread = _thread
-
-    def finish(self) -> None:
-        """Write what waits now, from the caller's thread, and stop."""
-        if not self.stopped:
-            self.stopped = True
-            with _lock:
-                for c in self.consoles:
-                    self.thread.consoles.pop(c.queue.fileno(), None)
-                last = not self.thread.consoles
-                self.thread.wake()
-            # The last context gone: the thread ends now, not some time after
-            # close() returned, so a closed context leaves no thread behind.
-            # It only has to wake, see no consoles and close its pipe.
-            if last and self.thread.thread is not threading.current_thread():
-                self.thread.thread.join(_THREAD_END_WAIT_S)
-        for c in self.consoles:
-            c.pump()
+def _std_stream(which: int) -> TextIO | None:
+    return sys.stdout if which == 0 else sys.stderr
 
 
 def console_for(which: int) -> Any:
     """The console of stream ``which`` (0: stdout, 1: stderr): the launcher's
     fd (1 or 2), an ObjectConsole, or -1 for none."""
     fd = which + 1
-    target: TextIO | None = sys.stdout if which == 0 else sys.stderr
+    target = _std_stream(which)
     if target is None or fd in _closed_std_fds:
         return -1
-    try:
-        same = target.fileno() == fd
-    except (AttributeError, OSError, ValueError):
-        same = False
-    if same:
+    if _writes_to_fd(target, fd):
         try:
             target.flush()  # what the program printed comes first
         except (OSError, ValueError):
             pass
         return fd
-    return ObjectConsole(target)
+    return ObjectConsole(target, "sys.stdout" if which == 0 else "sys.stderr")
 
 
-# -- letting consoles catch up --------------------------------------------------
+# -- torchmp's own words ---------------------------------------------------------
 
 _forwarders: weakref.WeakSet[Forwarder] = weakref.WeakSet()
 
@@ -280,64 +190,155 @@ def track(forwarder: Forwarder) -> None:
     _forwarders.add(forwarder)
 
 
-# The last wait given up: what all consoles still held then, and how long it
-# had waited for progress.  A wait that would be no longer, with nothing
-# moved since (the exit after the report), does not start over.
+def say(text: str, which: int = 1) -> None:
+    """Show torchmp's own whole lines on the launcher's stderr (which=1) or
+    stdout (0): through the same console as the workers' lines, after those
+    logged before them, without ever blocking (a console that cannot take
+    them keeps them within its bound; past it they are left out)."""
+    fd = which + 1
+    target = _std_stream(which)
+    if not text or target is None or fd in _closed_std_fds:
+        return
+    if not text.endswith("\n"):
+        text += "\n"
+    data = text.encode("utf-8", "replace")
+    if _writes_to_fd(target, fd):
+        if which == 1:
+            try:
+                target.flush()  # the program's own pending text first (stderr is line-buffered)
+            except (OSError, ValueError):
+                pass
+        try:
+            _core.console_say(fd, data)
+        except OSError:
+            pass  # no console to be had: the words are lost, nothing else
+        return
+    for forwarder in list(_forwarders):
+        if forwarder.say(target, data):
+            return
+    # An object no running context writes to: nothing to be ordered with.
+    try:
+        target.write(text)
+        target.flush()
+    except Exception:
+        pass
+
+
+class ConsoleHandler(logging.Handler):
+    """A logging handler whose records go through say(): line-whole, never
+    blocking, in order with the workers' lines."""
+
+    def __init__(self, which: int = 1, level: int = logging.NOTSET) -> None:
+        super().__init__(level)
+        self.which = which
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            say(self.format(record), self.which)
+        except Exception:
+            self.handleError(record)
+
+
+class _LastResort(ConsoleHandler):
+    """What ``logging.lastResort`` does for records of the ``torchmp``
+    loggers that no handler of the program's takes -- show the message on
+    stderr -- but through say(), so a stalled stderr never holds up a
+    fail-fast or a close().  Stands aside whenever the program configured
+    any handler that the record reaches (or set ``logging.lastResort`` to
+    None)."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        last = logging.lastResort
+        if last is None or record.levelno < last.level or self._others_take(record):
+            return False
+        return super().handle(record)
+
+    def _others_take(self, record: logging.LogRecord) -> bool:
+        c: logging.Logger | None = logging.getLogger(record.name)
+        while c is not None:
+            if any(h is not self and record.levelno >= h.level for h in c.handlers):
+                return True
+            if not c.propagate:
+                return False
+            c = c.parent
+        return False
+
+
+_last_resort = _LastResort()
+logging.getLogger("torchmp").addHandler(_last_resort)
+
+
+# -- a console switched off ------------------------------------------------------
+
+#: The launcher's fds whose console a failure switched off (fd -> errno).
+failures: dict[int, int] = {}
+
+
+def check_failures() -> dict[int, int]:
+    """Say once (a warning) that a console was switched off by something
+    else than its reader leaving (a full file system); all so far."""
+    for fd in (1, 2):
+        err = _core.console_failure(fd)
+        if err and fd not in failures:
+            failures[fd] = err
+            logger.warning("the console (%s) could not be written: %s; it is off for the rest of the run "
+                           "(the log files are complete)", "stdout" if fd == 1 else "stderr",
+                           os.strerror(err) if err != errno.ENOMEM else "out of memory")
+    return failures
+
+
+# -- letting consoles catch up --------------------------------------------------
+
+# The last wait given up: what all consoles had shown by then, and how long
+# it had waited for progress.  A wait that would be no longer, with nothing
+# shown since (the exit after the report), does not start over.
 _given_up: tuple[int, float] | None = None
 
 
 def settle(stall: float, limit: float | None = None, fd: int = -1) -> bool:
     """Wait while the launcher's fd consoles (fd >= 0: the console of that
-    fd only) still have lines to show and keep taking them; give up once one
-    made no progress for ``stall`` seconds (or after ``limit``).  True if
+    fd only) still have lines to show and keep taking them; give up once
+    one took nothing for ``stall`` seconds (or after ``limit``).  True if
     everything was shown."""
     global _given_up
-    pending = _core.consoles_pending(fd)
-    if pending == 0:
+    if _core.consoles_pending(fd) == 0:
         return True
-    if _given_up is not None and _given_up[1] >= stall and _core.consoles_pending() == _given_up[0]:
+    shown = _core.consoles_shown(fd)
+    if _given_up is not None and _given_up[1] >= stall and _core.consoles_shown() == _given_up[0]:
         return False  # still stuck where the last wait left it
     start = last_move = time.monotonic()
     nap = 0.001
-    while pending:
+    while _core.consoles_pending(fd):
         now = time.monotonic()
         if now - last_move >= stall or (limit is not None and now - start >= limit):
-            _given_up = (_core.consoles_pending(), stall)
+            _given_up = (_core.consoles_shown(), stall)
             return False
         time.sleep(nap)
         nap = min(nap * 2, 0.02)
-        left = _core.consoles_pending(fd)
-        if left < pending:
-            last_move = time.monotonic()
-        pending = left
+        now_shown = _core.consoles_shown(fd)
+        if now_shown > shown:
+            shown, last_move = now_shown, time.monotonic()
     return True
-    start = last_move = time.monotonic()
-    nap = 0.001
-    while pending:
-        now = time.monotonic()
-        if now - last_move >= stall or (limit is not None and now - start >= limit):
-            return False
-        time.sleep(nap)
-        nap = min(nap * 2, 0.02)
-        left = _core.consoles_pending()
-        if left < pending:
-            last_move = time.monotonic()
-        pending = left
-    return True
-
-
-def exit_stall() -> float:
-    try:
-        return max(0.0, float(os.environ.get(EXIT_STALL_ENV, DEFAULT_EXIT_STALL)))
-    except ValueError:
-        return DEFAULT_EXIT_STALL
 
 
 def _drain_at_exit() -> None:
+    stall = stall_time()
     for f in list(_forwarders):
-        f.finish()
-    settle(exit_stall())
+        f.follow(stall)
+    settle(stall)
 
+
+def _after_fork_in_child() -> None:
+    global _forwarders, _given_up
+    _console_objects.after_fork_in_child()
+    _forwarders = weakref.WeakSet()
+    _given_up = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 # Registered at import, before the api module registers its own exit hook:
 # atexit runs last-in first-out, so contexts left open are closed first and

@@ -173,6 +173,8 @@ class _NativeContext(PContext):
         tail = self.stderr_tail * TAIL_BYTES_PER_LINE + 1 if which == 1 and self.stderr_tail else 0
         console = consoles[which]
         sink = console.queue if isinstance(console, _console.ObjectConsole) else console
+        if path and rank in tees and isinstance(console, _console.ObjectConsole):
+            console.add_source(self._prefix(rank), os.path.abspath(path))
         if not path:
             if which == 1 and self.watch_stderr and tail:
                 # Shown as it was (no prefix), but through a pipe: the tail
@@ -233,6 +235,7 @@ class _NativeContext(PContext):
         # Before anything is opened: a closed fd 1 or 2 must not become a log.
         _console.claim_std_fds()
         backlog = _console.backlog_bound(self.console_backlog)
+        _console.apply_stall()
         self._ensure_fd_budget()
         consoles: list[Any] = [-1, -1]
         if self._logs_dest.tee_stdouts:
@@ -309,12 +312,14 @@ class _NativeContext(PContext):
         self.close(timeout=self.fail_fast_timeout)
         ranks = self._snapshot()[1] if self._group is not None else []
         self._result = self._build_result(ranks)
-        # Every line is in the log files now.  The consoles: all of it for
-        # an object console; a live fd console is followed until it caught
-        # up, a stalled one is not waited for.
+        # Every line is in the log files now.  The consoles: an object
+        # console is followed until all of it is written (unless it takes
+        # nothing for the stall time); a live fd console is followed until
+        # it caught up, a stalled one is not waited for.
         if self._forwarder is not None:
-            self._forwarder.finish()
+            self._forwarder.follow(_console.stall_time())
         _console.settle(_console.RESULT_STALL)
+        _console.check_failures()
         return self._result
 
     def _build_result(self, ranks: list[_core.ProcInfo]) -> RunProcsResult:
@@ -503,9 +508,10 @@ class _NativeContext(PContext):
         busy = group.busy()
         signalled = bool(busy)
         if busy:
+            # Signal first, then say so: no signal waits for a console.
+            group.killpg(int(death_sig))
             for rank in running:
                 logger.warning("Sending process %s closing signal %s", pids.get(rank), death_sig.name)
-            group.killpg(int(death_sig))
             busy = self._wait_groups(group, time.monotonic() + max(0.0, float(timeout)))
         if busy:
             group.killpg(int(signal.SIGKILL))
@@ -535,7 +541,9 @@ class _NativeContext(PContext):
         self._release_foreign(group.reap())
         group.finish_streams()
         if self._forwarder is not None:
-            self._forwarder.finish()
+            # What the objects still have to show is written by the
+            # forwarding thread; close() does not wait for it.
+            self._forwarder.detach()
         # Free the native side now (fds included) rather than whenever the
         # garbage collector gets to this object.
         self._final = group.snapshot()
@@ -647,3 +655,6 @@ def _close_live_contexts_at_exit() -> None:
 
 
 atexit.register(_close_live_contexts_at_exit)
+# A forked child has no contexts of its own to close at its exit: its
+# parent's are its parent's.
+os.register_at_fork(after_in_child=_live_contexts.clear)
