@@ -241,7 +241,7 @@ include "specs.pxi"
 include "group.pxi"
 
 
-DEFAULT_CONSOLE_BACKLOG = 4 * 1024 * 1024
+DEFAULT_CONSOLE_BACKLOG = TORCHMP_DEFAULT_CONSOLE_BACKLOG
 
 
 # What Group.snapshot() says of one rank: a named tuple, so it reads by name

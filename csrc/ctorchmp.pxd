@@ -51,6 +51,9 @@ cdef extern from "torchmp.h" nogil:
     ctypedef struct torchmp_console:
         pass
 
+    enum:
+        TORCHMP_DEFAULT_CONSOLE_BACKLOG
+
     ctypedef struct torchmp_console_source:
         uint64_t id
         const char *prefix

@@ -45,7 +45,8 @@
 /* Bytes read back from logs per console per loop round (the pipes, exits and
  * commands get their turn in between). */
 #define CATCH_UP_ROUND (4 * 1024 * 1024)
-/* Bytes of torchmp's own lines that may wait for held-back feeds. */
+/* Bytes of torchmp's own lines that may wait for held-back feeds, and that
+ * a console takes beyond the workers' bound. */
 #define SAID_LIMIT (1024 * 1024)
 /* The widest timestamp the framer puts after a prefix. */
 #define TIMESTAMP_MAX 32
@@ -62,7 +63,8 @@ static console_entry *entry_new(torchmp_loop *L, torchmp_console *c)
     e->users = 1;
     e->own.id = ++L->stream_serial;
     e->own.prefix = "";
-    e->own.limit = 4 * 1024 * 1024;
+    /* torchmp's own lines fit beyond the workers' bound (see feed_open). */
+    e->own.limit = TORCHMP_DEFAULT_CONSOLE_BACKLOG + SAID_LIMIT;
     if (torchmp_console_is_queue(c))
         torchmp_console_hold(c, 0, L->wake_w); /* its taker asks for more through it */
     pthread_mutex_lock(&L->mu);
@@ -462,6 +464,8 @@ feed *torchmp_loop_feed_open(torchmp_loop *L, stream *s, const torchmp_stream_sp
     f->source.prefix_len = spec->prefix_len;
     f->source.log_path = f->log_path;
     f->source.limit = spec->backlog_limit;
+    if (spec->backlog_limit + SAID_LIMIT > f->entry->own.limit)
+        f->entry->own.limit = spec->backlog_limit + SAID_LIMIT;
     feed_check_log(f, s, log_fd);
     f->source.bounded_by_caller = f->log_ok;
     return f;

@@ -169,6 +169,9 @@ int torchmp_child_setup(const torchmp_spawn_args *a, int keep_fd, int close_othe
  */
 typedef struct torchmp_console torchmp_console;
 
+/* The default bound of a stream's lines in a console's backlog. */
+#define TORCHMP_DEFAULT_CONSOLE_BACKLOG (4 * 1024 * 1024)
+
 /* Who lines come from, for the bound and the marker line. */
 typedef struct {
     uint64_t id;               /* unique per stream */

@@ -1,5 +1,10 @@
 """What ``torchmp run`` writes to its own console: messages, the failure
-report and the end-of-run summary, through a console that may be closed or
+report, hang reports and the end-of-run summary.  Once a run is under way
+they go through the console the workers' lines go through
+(``_console.say``): whole lines, after the workers' lines logged before
+them, never blocking -- a stalled stderr holds up neither a fail-fast nor
+the exit.  Only argparse's own output (usage, --help, before anything runs)
+is written to the stream itself, through a console that may be closed or
 gone (then it is dropped, never an error)."""
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ import sys
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from torchmp import _console, _hang
+from torchmp import _console
 from torchmp.errors import ProcessFailure
 
 _MIB = 1024 * 1024
@@ -91,27 +96,15 @@ def _settle_console() -> None:
 
 
 def _say(message: str) -> None:
-    _write_console(sys.stderr, f"torchmp: {message}\n")
+    _console.say(f"torchmp: {message}\n")
 
 
-def _show_report(text: str) -> None:
-    """Write a hang report to stderr while the job runs: after the lines the
-    console already has, and never waiting long on a console that does not
-    take it (the report is in its file too)."""
-    stream = sys.stderr
-    if stream is None:
-        return
-    try:
-        fd = stream.fileno()
-    except (AttributeError, OSError, ValueError):
-        _write_console(stream, text)  # not a file: the object takes it
-        return
-    try:
-        stream.flush()
-    except (OSError, ValueError):
-        pass
-    _console.settle(_console.RESULT_STALL, limit=1.0, fd=fd)
-    _hang.write_without_blocking(fd, text.encode("utf-8", "replace"))
+def _show(text: str) -> None:
+    """A report or the summary: to stderr, after the workers' lines logged
+    before it (a hang report while the job runs, too), never waiting on a
+    console that does not take it (every report is in the logs or its file
+    as well; at exit the console gets as long as it makes progress)."""
+    _console.say(text)
 
 
 def exit_code_for(failure: ProcessFailure) -> int:

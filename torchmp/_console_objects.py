@@ -77,22 +77,34 @@ class ObjectConsole:
         # neither in the queue nor here.
         self.in_flight = 1
         try:
+            data = self._markers()
+            if data and self._write_batch(data) is None:
+                self._unshown.clear()  # said; else they are said with the next
             data = self.queue.take()
             if not data:
                 return False
-            if self._unshown:
-                data = self._markers() + data
-            self._write_batch(data)
+            unwritten = self._write_batch(data)
+            if unwritten is not None:
+                self._not_shown(*unwritten)
         finally:
             self.in_flight = 0
         return True
 
     # -- writing -------------------------------------------------------------
     def _bytes_path(self) -> Any:
-        raw = getattr(self.target, "buffer", None)
+        """The binary layer under a plain text file object, written byte-exact
+        (a write() somebody replaced or overrode is called instead: it is
+        what sees the lines)."""
+        target = self.target
+        if not isinstance(target, io.TextIOWrapper) or type(target).write is not io.TextIOWrapper.write:
+            return None
+        if "write" in getattr(target, "__dict__", {}):
+            return None
+        raw = getattr(target, "buffer", None)
         return raw if isinstance(raw, (io.BufferedIOBase, io.RawIOBase)) else None
 
-    def _write_batch(self, data: bytes) -> None:
+    def _write_batch(self, data: bytes) -> tuple[bytes, BaseException] | None:
+        """Write data; what the object refused (and why), or None."""
         raw = self._bytes_path()
         payload: bytes | str = data if raw is not None else data.decode("utf-8", "replace")
         failure: BaseException | None = None
@@ -115,8 +127,7 @@ class ObjectConsole:
                 break
             time.sleep(0.01 * (1 << attempt))
         if failure is not None:
-            self._not_shown(payload if isinstance(payload, bytes) else payload.encode("utf-8", "replace"), failure)
-            return
+            return (payload if isinstance(payload, bytes) else payload.encode("utf-8", "replace")), failure
         self.written += len(data)
         flush = getattr(raw if raw is not None else self.target, "flush", None)
         if flush is not None:
@@ -124,6 +135,7 @@ class ObjectConsole:
                 flush()
             except Exception:
                 pass  # what it holds goes out with its next flush
+        return None
 
     def _not_shown(self, data: bytes, failure: BaseException) -> None:
         for line in data.splitlines(keepends=True):
@@ -137,13 +149,13 @@ class ObjectConsole:
                            "with a marker naming their complete log", self.name, type(failure).__name__, failure)
 
     def _markers(self) -> bytes:
+        """One line per stream whose lines the object refused."""
         logs = dict(self._logs)
         out = []
         for key, (lines, nbytes) in self._unshown.items():
             where = f"; complete log: {logs[key]}" if key is not None else ""
             out.append((key or b"") + (f"torchmp: {lines} line{'' if lines == 1 else 's'} ({format_size(nbytes)}) "
                                        f"not shown: writing to {self.name} failed{where}\n").encode())
-        self._unshown.clear()
         return b"".join(out)
 
 

@@ -54,7 +54,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any
 
 from torchmp import _console, _hang
 from torchmp._exec import resolve_executable
@@ -68,13 +68,10 @@ from torchmp._signals import (
 from torchmp.api import start_processes
 from torchmp.errors import ChildFailedError
 from torchmp._cli_console import (
-    _console_gone,
-    _drop_console,
     _say,
     _settle_console,
-    _show_report,
+    _show,
     _summary_reason,
-    _write_console,
     exit_code_for,
     format_summary,
 )
@@ -104,26 +101,9 @@ logger = logging.getLogger("torchmp.cli")
 # Running
 
 
-if TYPE_CHECKING:
-    _StreamHandler = logging.StreamHandler[TextIO]
-else:  # generic only in typeshed before Python 3.11
-    _StreamHandler = logging.StreamHandler
-
-
 def _install_handlers() -> None:
     for sig in HANDLED_SIGNALS:
         signal.signal(sig, _terminate_process_handler)
-
-
-class _ConsoleHandler(_StreamHandler):
-    """A StreamHandler that drops a console that is closed or gone instead of
-    printing "--- Logging error ---" and a traceback about it."""
-
-    def handleError(self, record: logging.LogRecord) -> None:
-        if _console_gone(sys.exc_info()[1]):
-            _drop_console(self.stream)
-            return
-        super().handleError(record)
 
 
 # The handler _configure_logging added (main() may run more than once in a
@@ -132,12 +112,13 @@ _cli_handler: logging.Handler | None = None
 
 
 def _configure_logging() -> None:
+    """torchmp's log records (fail-fast's "Sending process N closing signal
+    SIGTERM", ...) go to stderr through the workers' console: never
+    blocking, never inside a worker's line."""
     global _cli_handler
     log = logging.getLogger("torchmp")
     if _cli_handler is None or _cli_handler not in log.handlers:
-        # No stderr at all (closed at start): messages go nowhere.
-        handler: logging.Handler = (_ConsoleHandler(sys.stderr) if sys.stderr is not None
-                                    else logging.NullHandler())
+        handler = _console.ConsoleHandler()
         handler.setFormatter(logging.Formatter("torchmp: %(message)s"))
         log.addHandler(handler)
         _cli_handler = handler
@@ -266,7 +247,7 @@ class _Run:
                 text += f"torchmp: hang report {self.hang.count} saved in {path}\n"
             except OSError as e:
                 text += f"torchmp: hang report {self.hang.count} not saved: {path}: {e.strerror}\n"
-        _show_report(text)
+        _show(text)
 
     def _stacks(self, pids: dict[int, int]) -> str:
         """``py-spy dump`` of every Python process of every running rank."""
@@ -348,21 +329,22 @@ class _Run:
         return notes
 
     def report(self) -> None:
+        """The failure report and the summary, after the workers' last lines
+        (the console keeps them in order; none of it waits for a console)."""
         elapsed = time.monotonic() - self.started
-        # The report follows the workers' last lines on the console it is
-        # written to (stderr; stdout too when they are one): let that console
-        # catch up first, as long as it makes progress.
-        if sys.stderr is not None:
-            _console.settle(_console.exit_stall(), fd=2)
         if self.signal is not None:
             _say(f"got {self.signal.name}: terminated the workers")
         elif self.result is not None and self.result.failures:
-            _write_console(sys.stderr, self._child_failed_error().format_msg() + "\n")
+            _show(self._child_failed_error().format_msg() + "\n")
         if self.plan.summary:
-            _write_console(sys.stderr, format_summary(
+            summary = format_summary(
                 self.plan.name, self.plan.nproc, self.plan.global_rank, self.result,
                 self.notes(), self.exit_code(), elapsed,
-                self.terminated(), self.bindings or None))
+                self.terminated(), self.bindings or None)
+            for fd, err in sorted(_console.check_failures().items()):
+                summary += (f"torchmp: the console ({'stdout' if fd == 1 else 'stderr'}) could not be written "
+                            f"({os.strerror(err)}) and was off from then on; the log files are complete\n")
+            _show(summary)
 
 
 def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
