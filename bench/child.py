@@ -7,7 +7,8 @@ start, wait, close, exit; if ``start`` raises, the exception propagates and the
 interpreter exits the ordinary way (whatever is left running is the impl's doing).
 
 The spec (JSON) holds: impl, entry, args {rank: [..]} or args_template + n, tag,
-log_dir, redirects, tee, timeout, nofile, ready_fd, result.  A JSON line goes to
+log_dir, redirects, tee, timeout, nofile, console ("object": ``sys.stdout`` is a
+``PyConsole``), ready_fd, result.  A JSON line goes to
 ``ready_fd`` once start returned (or failed); the result JSON goes to ``result``.
 """
 
@@ -47,9 +48,25 @@ def _check_subject(why):
         subject.check_imported(sys.modules["torchmp"], os.path.realpath(os.path.join(home, "torchmp")))
 
 
+class PyConsole:
+    """A console written in Python, as a notebook's stream or a framework
+    that routes output is: ``write(str)`` into a text file on fd 1's file."""
+
+    def __init__(self) -> None:
+        self.file = open(os.dup(1), "w", encoding="utf-8", errors="surrogateescape")
+
+    def write(self, text: str) -> int:
+        return self.file.write(text)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
 def main(argv):
     with open(argv[1]) as f:
         spec = json.load(f)
+    if spec.get("console") == "object":
+        sys.stdout = PyConsole()
     if spec.get("nofile"):
         _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         resource.setrlimit(resource.RLIMIT_NOFILE, (int(spec["nofile"]), hard))

@@ -89,8 +89,8 @@ def _tee_vs_redirect(results, impl):
     return (fratio(r), r >= 0.9) if r is not None else ("-", None)
 
 
-def _tee_integrity(results, impl):
-    vals = [_v(results, "tee", k, impl) for k in ("torn", "lost", "logs_bad")]
+def _tee_integrity(results, impl, scen="tee"):
+    vals = [_v(results, scen, k, impl) for k in ("torn", "lost", "logs_bad")]
     if any(v is None for v in vals):
         return "-", None
     torn, lost, bad = (int(v) for v in vals)
@@ -137,6 +137,10 @@ TARGETS = [
     Target("tee_cpu", "tee launcher CPU <= 0.25x torch", ("tee",),
            _ratio_target("tee", "cpu", "torch", 0.25)),
     Target("tee_lines", "tee torn/lost lines/bad logs = 0/0/0", ("tee",), _tee_integrity),
+    Target("teeobj_speed", "tee to a Python object MB/s >= 1.5x torch", ("teeobject",),
+           _ratio_target("teeobject", "mbps", "torch", 1.5, higher=True)),
+    Target("teeobj_lines", "tee to a Python object torn/lost/bad logs = 0/0/0", ("teeobject",),
+           lambda results, impl: _tee_integrity(results, impl, "teeobject")),
     Target("idle_threads", "idle 64 teed: <= 1 extra thread", ("idle",), _limit("idle", "extra_threads", 1)),
     Target("idle_cpu", "idle 64 teed: <= 0.2% CPU", ("idle",), _limit("idle", "cpu_pct", 0.2, "%")),
     Target("idle_fds", "idle 64 teed: <= 4 fds per rank", ("idle",), _limit("idle", "fds_per_rank", 4)),

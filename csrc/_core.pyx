@@ -360,6 +360,11 @@ def console_say(int fd, bytes data not None) -> bool:
     return _say(NULL, fd, data)
 
 
+def loop_exists() -> bool:
+    """Whether this process has its I/O thread (its consoles) already."""
+    return bool(torchmp_loop_exists())
+
+
 def consoles_pending(int fd=-1) -> int:
     """Bytes waiting for the launcher's fd 1 / fd 2 consoles, held-back ones
     included (0: caught up); fd >= 0: only for the console of what fd

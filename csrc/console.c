@@ -77,7 +77,9 @@ static void note_shown(torchmp_console *c, size_t n, int was_waiting)
     if (n == 0)
         return;
     now = now_ns();
-    if (was_waiting && c->progress_ns != 0 && torchmp_consoles_stall() > 0 && now - c->progress_ns >= torchmp_consoles_stall())
+    /* Only lines held back can be left out: a stall matters to them. */
+    if (was_waiting && c->behind > 0 && c->progress_ns != 0 && torchmp_consoles_stall() > 0 &&
+        now - c->progress_ns >= torchmp_consoles_stall())
         c->resumed = 1;
     c->progress_ns = now;
     c->shown += n;
@@ -457,6 +459,8 @@ void torchmp_console_hold(torchmp_console *c, int64_t delta, int wake_fd)
         c->behind = 0;
     else
         c->behind += (uint64_t)delta;
+    if (c->behind == 0)
+        c->resumed = 0; /* nothing held back is left to leave out */
     if (wake_fd >= 0)
         c->wake_fd = wake_fd;
     note_waiting(c, was_waiting);

@@ -75,6 +75,7 @@ cdef extern from "torchmp.h" nogil:
     size_t torchmp_consoles_pending(int fd)
     uint64_t torchmp_consoles_shown(int fd)
     int torchmp_say(torchmp_console *queue, int fd, const char *data, size_t len)
+    int torchmp_loop_exists()
     void torchmp_consoles_set_stall(int64_t ns)
     int torchmp_console_failure(int std_fd)
     void torchmp_queues_post()

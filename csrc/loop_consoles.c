@@ -426,6 +426,7 @@ static void feed_check_log(feed *f, stream *s, int log_fd)
         if (&p->streams[w] != s && other != NULL && other->log_ok && other->log_dev == st.st_dev &&
             other->log_ino == st.st_ino) {
             other->log_ok = 0; /* one file for both: offsets are not a stream's own */
+            other->source.bounded_by_caller = 0;
             return;
         }
     }

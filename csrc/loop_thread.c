@@ -372,6 +372,11 @@ torchmp_loop *torchmp_loop_get(void)
     return the_loop;
 }
 
+int torchmp_loop_exists(void)
+{
+    return the_loop != NULL && the_loop->owner_pid == getpid();
+}
+
 int torchmp_loop_backend(void)
 {
     torchmp_loop *L = torchmp_loop_get();

@@ -543,6 +543,9 @@ int torchmp_group_finish_streams(torchmp_group *g);
  * is reaped and every stream is closed. */
 void torchmp_group_release(torchmp_group *g);
 
+/* Whether this process has its I/O thread (started by its first group). */
+int torchmp_loop_exists(void);
+
 /* Number of fds the loop holds (for tests of the fd budget). */
 int torchmp_loop_fd_count(void);
 

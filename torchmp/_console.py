@@ -202,7 +202,10 @@ def say(text: str, which: int = 1) -> None:
     if not text.endswith("\n"):
         text += "\n"
     data = text.encode("utf-8", "replace")
-    if _writes_to_fd(target, fd):
+    # A process with no I/O thread has no workers' lines to keep order with
+    # (a worker, a program before its first launch): written as logging's
+    # last resort would, rather than starting a thread (and a keeper) for it.
+    if _writes_to_fd(target, fd) and _core.loop_exists():
         if which == 1:
             try:
                 target.flush()  # the program's own pending text first (stderr is line-buffered)
@@ -216,7 +219,8 @@ def say(text: str, which: int = 1) -> None:
     for forwarder in list(_forwarders):
         if forwarder.say(target, data):
             return
-    # An object no running context writes to: nothing to be ordered with.
+    # An object no running context writes to, or no I/O thread: nothing to be
+    # ordered with.
     try:
         target.write(text)
         target.flush()

@@ -56,7 +56,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from torchmp import _console, _hang
+from torchmp import _console, _core, _hang
 from torchmp._exec import resolve_executable
 from torchmp._signals import (
     DEFAULT_HANDLED_SIGNALS,
@@ -372,6 +372,12 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
         plan = _Plan(args, args.command)
     except _UsageError as e:
         parser.error(str(e))
+    # The I/O thread from here on: everything torchmp run says goes through
+    # its consoles, so a stalled stderr never blocks it, from the first line.
+    try:
+        _core.backend()
+    except OSError:
+        pass  # the launch reports it
 
     # A command that cannot be found or run: the shell's 127/126, before
     # anything is created (PATH as the workers will see it).

@@ -2,7 +2,8 @@
 
 import importlib
 
-ORDER = ["launch", "funclaunch", "lag", "failfast", "tee", "redirect", "console", "idle", "close", "many", "nofile"]
+ORDER = ["launch", "funclaunch", "lag", "failfast", "tee", "redirect", "teeobject", "console", "idle", "close",
+         "many", "nofile"]
 MODULES = {
     "launch": "launch",
     "funclaunch": "funclaunch",
@@ -10,6 +11,7 @@ MODULES = {
     "failfast": "failfast",
     "tee": "streams",
     "redirect": "streams",
+    "teeobject": "streams",
     "console": "console",
     "idle": "idle",
     "close": "close",
@@ -24,6 +26,7 @@ TITLES = {
     "failfast": "failure detection + teardown of 3 sleeping siblings",
     "tee": "tee with prefixes, 4 ranks x 50 MB of 100-byte lines: MB/s, launcher CPU, line integrity",
     "redirect": "redirect only, same data: MB/s, launcher CPU, exact logs",
+    "teeobject": "tee into a Python object as sys.stdout, 4 ranks x 10 MB: MB/s, launcher CPU, line integrity",
     "console": "console stalled for 5 s, then drained: wait() time, workers blocked in write(), exact logs, RSS",
     "idle": "64 idle ranks teeing both streams: launcher threads, fds, RSS, CPU %",
     "close": "close(timeout=0.5) of plain and TERM-ignoring workers",

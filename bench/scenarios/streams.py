@@ -16,8 +16,15 @@ that file is the console.
   the data byte for byte.
 * ``redirect``: redirects=ALL, tee NONE: MB/s, launcher CPU, exact log files,
   empty console.
+* ``teeobject``: tee=ALL as in ``tee``, but the launcher's ``sys.stdout`` is a
+  console written in Python (``PyConsole``: ``write(str)`` into a text file,
+  as a notebook's stream or a framework that routes output is), torchmp and
+  torch only (the others write fd 1 or ``sys.stdout.buffer``).  The same
+  checks as ``tee``: MB/s, launcher CPU, and the verify run of every console
+  line (whole, torn, lost, duplicated) and of every ``stdout.log``.
 
-Targets: tee >= 0.9x redirect (same impl), tee CPU <= 0.25x torch, 0 torn/lost.
+Targets: tee >= 0.9x redirect (same impl), tee CPU <= 0.25x torch, 0 torn/lost;
+teeobject >= 1.5x torch's MB/s, 0 torn/lost.
 """
 
 import filecmp
@@ -80,15 +87,20 @@ def check_console(path: str, ranks: int, lines: int) -> dict[str, int]:
     return {"whole": whole, "torn": torn, "dup": dup, "lost": ranks * lines - whole}
 
 
+OBJECT_IMPLS = ["torchmp", "torch"]
+
+
 def _run(ctx, scen: str) -> Result:
-    tee = scen == "tee"
-    impls = ctx.select(ALL_IMPLS)
-    title = ("tee with prefixes" if tee else "redirect only") + \
-        f", {RANKS} ranks x %d MB of 100-byte lines (launcher in a child process)"
-    mb = 10 if ctx.quick else 50
+    tee = scen in ("tee", "teeobject")
+    to_object = scen == "teeobject"
+    impls = ctx.select(OBJECT_IMPLS if to_object else ALL_IMPLS)
+    title = ("tee to a Python object as sys.stdout" if to_object else "tee with prefixes" if tee
+             else "redirect only") + f", {RANKS} ranks x %d MB of 100-byte lines (launcher in a child process)"
+    mb = 10 if ctx.quick or to_object else 50
     res = Result(scen, title % mb, impls)
     res.params = {"ranks": RANKS, "mb_per_rank": mb, "line_bytes": LINE, "worker": "/bin/cat FILE",
-                  "redirects": "NONE" if tee else "ALL", "tee": "ALL" if tee else "NONE"}
+                  "redirects": "NONE" if tee else "ALL", "tee": "ALL" if tee else "NONE",
+                  "console": "PyConsole (write(str) in Python) as sys.stdout" if to_object else "fd 1, a file"}
     res.metric("mbps", "throughput", "MB/s", "higher")
     res.metric("seconds", "start..wait+close", "s", "lower")
     res.metric("cpu", "launcher CPU", "s", "lower")
@@ -106,6 +118,8 @@ def _run(ctx, scen: str) -> Result:
             spec = {"impl": impl, "entry": "/bin/cat", "args": {str(r): [paths[r]] for r in range(RANKS)},
                     "tag": s.tag, "log_dir": os.path.join(s.dir, "logs"), "redirects": 0 if tee else 3,
                     "tee": 3 if tee else 0, "timeout": 600}
+            if to_object:
+                spec["console"] = "object"
             result, facts = run_child(ctx, spec, s.dir, timeout=900)
             if facts["hung"]:
                 raise RuntimeError("launcher did not finish")
@@ -153,3 +167,7 @@ def run_tee(ctx) -> Result:
 
 def run_redirect(ctx) -> Result:
     return _run(ctx, "redirect")
+
+
+def run_teeobject(ctx) -> Result:
+    return _run(ctx, "teeobject")
