@@ -319,17 +319,20 @@ cdef class QueueConsole:
             torchmp_console_unref(self.c)
             self.c = NULL
 
-    def take(self) -> bytes:
+    def take(self):
+        """What waits, as a CaptureBuffer (the native memory, no copy), or
+        b"" if nothing does."""
         cdef size_t n = 0
         cdef char *data
+        cdef CaptureBuffer buf
         with nogil:
             data = torchmp_console_take(self.c, &n)
         if data == NULL:
             return b""
-        try:
-            return PyBytes_FromStringAndSize(data, <Py_ssize_t>n)
-        finally:
-            free(data)
+        buf = CaptureBuffer.__new__(CaptureBuffer)
+        buf.data = data
+        buf.size = <Py_ssize_t>n
+        return buf
 
     def pending(self) -> int:
         """Bytes waiting, held-back ones included (0: caught up)."""

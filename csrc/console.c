@@ -125,7 +125,7 @@ static int backlog_reserve(torchmp_console *c, size_t more)
         c->start = 0;
     }
     if (need > c->cap) {
-        size_t cap = c->cap ? c->cap : 64 * 1024;
+        size_t cap = c->cap ? c->cap : c->cap_hint ? c->cap_hint : 64 * 1024;
         char *grown;
         while (cap < need)
             cap *= 2;
@@ -417,18 +417,20 @@ char *torchmp_console_take(torchmp_console *c, size_t *len)
     if (c->len == 0 && c->dropping)
         append_markers(c);
     if (c->len > 0) {
-        out = malloc(c->len);
-        if (out != NULL) {
-            memcpy(out, c->buf + c->start, c->len);
-            *len = c->len;
-            note_shown(c, c->len, 1);
-            c->len = 0;
-            backlog_emptied(c);
-            /* Caught up: the marker lines follow at the next take. */
-            if (c->dropping)
-                torchmp_queues_post();
-            ask_more = c->behind > 0 && c->wake_fd >= 0;
-        }
+        /* The backlog itself is handed over (no copy); the next one starts
+         * at the size this one reached. */
+        if (c->start > 0)
+            memmove(c->buf, c->buf + c->start, c->len);
+        out = c->buf;
+        *len = c->len;
+        note_shown(c, c->len, 1);
+        c->cap_hint = c->cap;
+        c->buf = NULL;
+        c->cap = c->start = c->len = 0;
+        /* Caught up: the marker lines follow at the next take. */
+        if (c->dropping)
+            torchmp_queues_post();
+        ask_more = c->behind > 0 && c->wake_fd >= 0;
     }
     pthread_mutex_unlock(&c->mu);
     if (ask_more)

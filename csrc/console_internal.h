@@ -39,6 +39,7 @@ struct torchmp_console {
     pthread_mutex_t mu;       /* a queue console is shared with its taker */
     char *buf;                /* backlog: bytes [start, start + len) of buf */
     size_t start, len, cap;
+    size_t cap_hint;          /* queue: the size the last backlog taken had */
     int dropping;             /* past a bound: drop lines until the backlog empties */
     drop_record *drops;
     uint64_t behind;          /* bytes the loop holds back for this console (logs) */

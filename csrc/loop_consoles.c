@@ -254,12 +254,32 @@ static size_t piece_for(const feed *f, size_t room)
 
 /* ---- holding back ------------------------------------------------------- */
 
+/* Every two neighbours become one (at the first one's time), but never
+ * across a tick: where the live path would have shown a partial line. */
+static void arrivals_merge(feed *f)
+{
+    size_t from = f->arrivals_first, to = 0, end = f->arrivals_first + f->arrivals_len;
+    while (from < end) {
+        arrival a = f->arrivals[from++];
+        if (a.tick_ns == 0 && from < end) {
+            a.end = f->arrivals[from].end;
+            a.tick_ns = f->arrivals[from].tick_ns;
+            from++;
+        }
+        f->arrivals[to++] = a;
+    }
+    f->arrivals_first = 0;
+    f->arrivals_len = to;
+    f->arrival_grain_ns *= 2; /* later arrivals are kept coarser */
+}
+
+/* Bytes of a held feed up to log offset `end` came at mono/real. */
 static void arrival_add(feed *f, uint64_t end, int64_t mono, int64_t real)
 {
     arrival *a;
     if (f->arrivals_len > 0) {
         a = &f->arrivals[f->arrivals_first + f->arrivals_len - 1];
-        if (mono - a->mono_ns < f->arrival_grain_ns) {
+        if (a->tick_ns == 0 && mono - a->mono_ns < f->arrival_grain_ns) {
             a->end = end;
             return;
         }
@@ -276,31 +296,20 @@ static void arrival_add(feed *f, uint64_t end, int64_t mono, int64_t real)
                 f->arrivals_cap = cap;
             }
         }
-        if (f->arrivals_first + f->arrivals_len == f->arrivals_cap) {
-            /* Full (or no memory): every two neighbours become one, at the
-             * first one's time; later arrivals are kept coarser. */
-            size_t i, n = f->arrivals_len;
-            if (n < 2) {
-                if (n == 1)
-                    f->arrivals[f->arrivals_first].end = end;
-                return;
-            }
-            for (i = 0; i < n / 2; i++) {
-                arrival merged = f->arrivals[f->arrivals_first + 2 * i];
-                merged.end = f->arrivals[f->arrivals_first + 2 * i + 1].end;
-                f->arrivals[i] = merged;
-            }
-            if (n % 2)
-                f->arrivals[i++] = f->arrivals[f->arrivals_first + n - 1];
-            f->arrivals_first = 0;
-            f->arrivals_len = i;
-            f->arrival_grain_ns *= 2;
+        if (f->arrivals_first + f->arrivals_len == f->arrivals_cap)
+            arrivals_merge(f); /* full, or no memory */
+        if (f->arrivals_len == f->arrivals_cap) {
+            /* Nothing merged (a tick after every record): the newest
+             * record takes these bytes too. */
+            f->arrivals[f->arrivals_len - 1].end = end;
+            return;
         }
     }
     a = &f->arrivals[f->arrivals_first + f->arrivals_len++];
     a->end = end;
     a->mono_ns = mono;
     a->real_ns = real;
+    a->tick_ns = 0;
 }
 
 static void held_add(torchmp_loop *L, feed *f)
@@ -315,8 +324,13 @@ static void held_add(torchmp_loop *L, feed *f)
     e->held_tail = f;
     e->nheld++;
     L->held_feeds++;
-    /* No timer while held: its partial line is followed by more in the log. */
+    /* The framer has no timer while held; the live path's ticks are kept
+     * with the arrivals instead (held_tick), starting from its state. */
     f->framer.deadline_ns = 0;
+    f->held_since_ns = f->framer.partial_len > 0 ? f->framer.partial_since_ns : 0;
+    f->held_cr = f->framer.progress;
+    f->held_dirty = f->framer.partial_len > 0 && (!f->framer.progress || f->framer.progress_dirty);
+    f->last_tick_ns = f->framer.progress_shown_ns;
 }
 
 static void held_remove(torchmp_loop *L, feed *f)
@@ -479,14 +493,46 @@ fail:
     return NULL;
 }
 
+/* A held feed's unterminated line: when the live path's timer would show
+ * it (its oldest byte is TORCHMP_PARTIAL_IDLE_NS old; a progress bar's new
+ * state at most once per TORCHMP_PROGRESS_INTERVAL_NS), 0 if not. */
+static int64_t held_deadline(const feed *f)
+{
+    int64_t d;
+    if (!f->held_dirty || f->held_since_ns == 0 || f->logged == f->line_end)
+        return 0;
+    d = f->held_since_ns + TORCHMP_PARTIAL_IDLE_NS;
+    if (f->held_cr && f->last_tick_ns != 0 && f->last_tick_ns + TORCHMP_PROGRESS_INTERVAL_NS > d)
+        d = f->last_tick_ns + TORCHMP_PROGRESS_INTERVAL_NS;
+    return d;
+}
+
+/* What the live path's timer would do now is done to the held bytes when
+ * they are caught up: a tick after the bytes that came so far.  It is
+ * recorded only where the loop saw no more bytes of the stream first, as
+ * the live path reads before it ticks (a launcher that was busy or
+ * descheduled does not cut a worker's line in two). */
+static void held_tick(feed *f, int64_t now)
+{
+    if (f->arrivals_len == 0)
+        return;
+    f->arrivals[f->arrivals_first + f->arrivals_len - 1].tick_ns = now;
+    f->last_tick_ns = now;
+    f->held_dirty = 0;
+    if (!f->held_cr)
+        f->held_since_ns = 0; /* shown; what follows starts a new line */
+}
+
 int64_t torchmp_loop_feed_deadline(const feed *f)
 {
-    return f->held ? 0 : f->framer.deadline_ns;
+    return f->held ? held_deadline(f) : f->framer.deadline_ns;
 }
 
 void torchmp_loop_feed_tick(torchmp_loop *L, feed *f, int64_t now)
 {
-    if (!f->held)
+    if (f->held)
+        held_tick(f, now);
+    else
         frame_tick(L, f, now, 0);
 }
 
@@ -538,6 +584,19 @@ void torchmp_loop_feed_push(torchmp_loop *L, feed *f, const char *data, size_t l
     }
     f->held_newlines += count_newlines(data, len);
     arrival_add(f, f->logged, now, clock_ns(CLOCK_REALTIME));
+    /* The unterminated line the live path's timer would be watching. */
+    nl = memrchr(data, '\n', len);
+    if (nl != NULL) {
+        size_t after = (size_t)(data + len - nl - 1);
+        f->held_since_ns = after > 0 ? now : 0;
+        f->held_cr = after > 0 && memchr(nl + 1, '\r', after) != NULL;
+        f->last_tick_ns = 0;
+    } else {
+        if (f->held_since_ns == 0)
+            f->held_since_ns = now;
+        f->held_cr = f->held_cr || memchr(data, '\r', len) != NULL;
+    }
+    f->held_dirty = 1;
     torchmp_console_hold(f->entry->console, (int64_t)len, -1);
 }
 
@@ -604,21 +663,21 @@ static size_t catch_up_piece(torchmp_loop *L, feed *f, size_t room)
     while (p < stop) {
         size_t n = (size_t)(stop - p);
         int64_t mono = clock_ns(CLOCK_MONOTONIC), real = 0;
-        if (f->arrivals_len > 0) {
-            arrival *a = &f->arrivals[f->arrivals_first];
+        arrival *a = f->arrivals_len > 0 ? &f->arrivals[f->arrivals_first] : NULL;
+        if (a != NULL) {
             if (a->end - f->framed < n)
                 n = (size_t)(a->end - f->framed);
             mono = a->mono_ns;
             real = a->real_ns;
-            /* What the live path's timer did before these bytes came. */
-            for (int ticks = 0; ticks < 8 && f->framer.deadline_ns != 0 && f->framer.deadline_ns <= mono; ticks++)
-                frame_tick(L, f, f->framer.deadline_ns, real - (mono - f->framer.deadline_ns));
         }
         f->held_newlines -= count_newlines(p, n);
         frame(L, f, p, n, mono, real);
         f->framed += n;
         p += n;
-        while (f->arrivals_len > 0 && f->arrivals[f->arrivals_first].end <= f->framed) {
+        if (a != NULL && a->end <= f->framed) {
+            /* What the live path's timer did after these bytes. */
+            if (a->tick_ns != 0)
+                frame_tick(L, f, a->tick_ns, real + (a->tick_ns - mono));
             f->arrivals_first++;
             f->arrivals_len--;
         }

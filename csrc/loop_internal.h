@@ -76,10 +76,12 @@ typedef struct console_entry {
     struct console_entry *next;
 } console_entry;
 
-/* When bytes of a held-back feed arrived: up to log offset `end`. */
+/* When bytes of a held-back feed arrived: up to log offset `end`; and
+ * whether the live path's timer would have run after them, and when. */
 typedef struct arrival {
     uint64_t end;
     int64_t mono_ns, real_ns;
+    int64_t tick_ns;           /* 0: no tick */
 } arrival;
 
 /* A teed stream as its console sees it: its framing, and -- while the
@@ -104,6 +106,11 @@ typedef struct feed {
     arrival *arrivals;         /* while held: when the bytes after `framed` came */
     size_t arrivals_first, arrivals_len, arrivals_cap;
     int64_t arrival_grain_ns;  /* arrivals closer than this share an entry */
+    /* the held bytes' unterminated line, as the live path's timer sees it */
+    int64_t held_since_ns;     /* its oldest byte's arrival (0: none, or shown) */
+    int held_cr;               /* it holds a \r: a progress bar */
+    int held_dirty;            /* bytes came since the last tick */
+    int64_t last_tick_ns;
     int held;                  /* on the entry's held list */
     uint64_t flush_at;         /* held: show the tail once framed reaches it (0: no) */
     int64_t flush_real_ns;     /* when that was asked */

@@ -176,7 +176,17 @@ void torchmp_loop_streams_tick(torchmp_loop *L)
     L->next_deadline_ns = 0;
     for (s = L->timed; s != NULL; s = next) {
         int64_t d;
+        int avail = 0;
         next = s->timed_next;
+        if (s->fd >= 0 && ioctl(s->fd, FIONREAD, &avail) == 0 && avail > 0) {
+            /* Bytes wait in the pipe: the worker was not idle, the loop was
+             * busy.  They are read first (the fd is readable: the next round
+             * comes at once), as if the loop had kept up. */
+            d = stream_deadline(s);
+            if (d != 0 && (L->next_deadline_ns == 0 || d < L->next_deadline_ns))
+                L->next_deadline_ns = d;
+            continue;
+        }
         if (s->framer.deadline_ns != 0 && s->framer.deadline_ns <= now) {
             torchmp_line_sinks sinks = filtered_sinks(s);
             torchmp_framer_tick(&s->framer, now, &sinks);

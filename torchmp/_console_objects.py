@@ -103,10 +103,11 @@ class ObjectConsole:
         raw = getattr(target, "buffer", None)
         return raw if isinstance(raw, (io.BufferedIOBase, io.RawIOBase)) else None
 
-    def _write_batch(self, data: bytes) -> tuple[bytes, BaseException] | None:
-        """Write data; what the object refused (and why), or None."""
+    def _write_batch(self, data: Any) -> tuple[bytes, BaseException] | None:
+        """Write data (bytes, or a buffer of them); what the object refused
+        (and why), or None."""
         raw = self._bytes_path()
-        payload: bytes | str = data if raw is not None else data.decode("utf-8", "replace")
+        payload: Any = memoryview(data) if raw is not None else str(data, "utf-8", "replace")
         failure: BaseException | None = None
         for attempt in range(WRITE_ATTEMPTS):
             try:
@@ -127,7 +128,7 @@ class ObjectConsole:
                 break
             time.sleep(0.01 * (1 << attempt))
         if failure is not None:
-            return (payload if isinstance(payload, bytes) else payload.encode("utf-8", "replace")), failure
+            return (bytes(payload) if raw is not None else payload.encode("utf-8", "replace")), failure
         self.written += len(data)
         flush = getattr(raw if raw is not None else self.target, "flush", None)
         if flush is not None:
