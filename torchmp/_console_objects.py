@@ -77,8 +77,8 @@ class ObjectConsole:
         # neither in the queue nor here.
         self.in_flight = 1
         try:
-            data = self._markers()
-            if data and self._write_batch(data) is None:
+            markers = self._markers()
+            if markers and self._write_batch(markers) is None:
                 self._unshown.clear()  # said; else they are said with the next
             data = self.queue.take()
             if not data:
