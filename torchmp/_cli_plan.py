@@ -120,11 +120,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                         "it was read (e.g. 2026-11-29T09:54:05.123Z); the log files keep the "
                         "workers' exact bytes")
     p.add_argument("--console-backlog", default=None, metavar="SIZE",
-                   help="how much of each teed stream may wait for a console that falls "
-                        "behind (a stalled pipe or terminal) before whole lines are left out "
-                        "of the console -- never out of the log files -- with a marker line "
-                        "saying how many (e.g. 16M, 512K, 0; default 4M, or "
-                        "$TORCHMP_CONSOLE_BACKLOG)")
+                   help="how much of each teed stream may wait in memory for a console that "
+                        "falls behind (a slow or stalled pipe or terminal); past it the log "
+                        "files are the backlog and the console catches up from them (e.g. 16M, "
+                        "512K, 0; default 4M, or $TORCHMP_CONSOLE_BACKLOG).  A console that "
+                        "takes nothing for $TORCHMP_CONSOLE_STALL seconds (10) has whole lines "
+                        "left out, with a marker line saying how many")
     p.add_argument("--stderr-tail", type=int, default=None, metavar="LINES",
                    help="how many of a failed rank's last stderr lines its failure report and "
                         "summary row use when it left no error file (default 20, or "

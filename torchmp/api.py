@@ -231,9 +231,11 @@ def start_processes(  # type: ignore[misc]  # one body for both overloads: its 5
     torchmp extensions (keyword only): ``log_line_timestamps=True`` puts a UTC
     time (``2026-11-29T09:54:05.123Z``) after the prefix of every teed line;
     ``console_backlog`` (bytes, or a size like ``"16M"``) bounds what each
-    teed stream may leave waiting for a console that falls behind (default
-    4 MiB, or ``TORCHMP_CONSOLE_BACKLOG``); past it, whole lines are left
-    out of the console only, and a marker line says how many;
+    teed stream may leave waiting in memory for a console that falls behind
+    (default 4 MiB, or ``TORCHMP_CONSOLE_BACKLOG``); past it, the stream's
+    log file is the backlog and the console catches up from it (a console
+    that takes nothing for ``TORCHMP_CONSOLE_STALL`` seconds, default 10,
+    has whole lines left out, with a marker line saying how many);
     ``stderr_tail`` (lines, default 20 or ``TORCHMP_STDERR_TAIL``; 0: off)
     is how much of a failed rank's stderr its :class:`ProcessFailure` keeps
     (``stderr_tail``, and the message when there is no error file);
