@@ -499,12 +499,14 @@ def test_a_console_that_takes_nothing_for_the_stall_time_has_lines_left_out(stal
     assert report["result"] and report["failures"] == {}
     assert report["pending"] > 0
     time.sleep(1.5)
-    (tmp_path / "hold").touch()  # the launcher may exit (its exit waits while the console moves)
+    # The launcher may exit now: its exit waits only while the console moves
+    # (0.3 s without progress: it gives up), so the test reads at once.
+    (tmp_path / "hold").touch()
+    console = parse_console(launch.drain())
+    assert launch.finish() == 0, launch.stderr_text()
     logs = report_logs(report, streams, NRANKS)
     written = {key: lines for key in logs}
     check_logs(logs, written)
-    console = parse_console(launch.drain())
-    assert launch.finish() == 0, launch.stderr_text()
     assert console.markers, "a console that took nothing for 1.5 s (stall time 0.3 s) had nothing left out"
     check_console(console, logs, written)
 
