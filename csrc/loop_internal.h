@@ -5,9 +5,11 @@
  *
  *   loop_streams.c  tee pipes and return channels (open, read, log, keep
  *                   the return channel's bytes, tail, close)
- *   loop_consoles.c the consoles they are shown on: framing, holding lines
- *                   back from a console that fell behind and catching it up
- *                   from the log, torchmp's own lines
+ *   loop_feeds.c    how a stream's lines get to its console: framing,
+ *                   holding them back from a console that fell behind and
+ *                   catching it up from the log
+ *   loop_consoles.c the consoles they are shown on (one entry each, its
+ *                   writability watch) and torchmp's own lines
  *   loop_reap.c     a rank's exit: watched (pidfd, SIGCHLD scan, forkserver
  *                   trailer), recorded, waited for, reaped; signalling the
  *                   process groups that exits pin
@@ -52,6 +54,9 @@
 #define BUSY_PIPE_SIZE (1024 * 1024)
 #define PIPE_GROWTH_BUDGET (16L * 1024 * 1024)
 #define MAX_LINE (256 * 1024)
+/* Bytes of torchmp's own lines that may wait for held-back feeds, and that
+ * a console takes beyond the workers' bound. */
+#define OWN_LINES_LIMIT (1024 * 1024)
 
 /* What a watch in the I/O thread's set is: the first int of its pointer.  The
  * pidfds in the exits set point at their torchmp_proc directly. */
@@ -304,7 +309,7 @@ int torchmp_loop_streams_timeout_ms(torchmp_loop *L);
 /* A framer of s may have a deadline now: (re)arm its timer. */
 void torchmp_loop_stream_rearm(torchmp_loop *L, stream *s);
 
-/* ---- loop_consoles.c ---------------------------------------------------- */
+/* ---- loop_feeds.c -------------------------------------------------------- */
 
 /* The feed of a teed stream with a console (spec->sink or spec->console),
  * log_fd its log (or -1); NULL with errno. */
@@ -312,7 +317,7 @@ feed *torchmp_loop_feed_open(torchmp_loop *L, stream *s, const torchmp_stream_sp
 /* Bytes of the stream that arrived at now (already in its log if
  * logged_ok): framed for the console, or held back. */
 void torchmp_loop_feed_push(torchmp_loop *L, feed *f, const char *data, size_t len, int64_t now, int logged_ok);
-/* The framer's deadline while the feed is live (0: none). */
+/* When the feed's timer has work (0: none), and that work. */
 int64_t torchmp_loop_feed_deadline(const feed *f);
 void torchmp_loop_feed_tick(torchmp_loop *L, feed *f, int64_t now);
 /* Show the unterminated tail (now, or once caught up to here); the stream
@@ -321,6 +326,20 @@ void torchmp_loop_feed_flush(torchmp_loop *L, feed *f);
 void torchmp_loop_feed_release(torchmp_loop *L, feed *f);
 /* Give held-back feeds what their consoles have room for now. */
 void torchmp_loop_catch_up(torchmp_loop *L);
+
+/* ---- loop_consoles.c ---------------------------------------------------- */
+
+/* The entry of the console for what the launcher's fd refers to now, or of
+ * a queue console (a use taken: torchmp_loop_entry_maybe_free when done);
+ * NULL with errno. */
+console_entry *torchmp_loop_entry_for_fd(torchmp_loop *L, int fd);
+console_entry *torchmp_loop_entry_for_queue(torchmp_loop *L, torchmp_console *c);
+/* Free an entry nobody uses once it has nothing left to show. */
+void torchmp_loop_entry_maybe_free(torchmp_loop *L, console_entry *e);
+/* After a submit that returned `waiting`: pump, and watch the fd if needed. */
+void torchmp_loop_entry_after_submit(torchmp_loop *L, console_entry *e, int waiting);
+/* torchmp's own lines whose turn has come (their held feeds caught up). */
+void torchmp_loop_said_release(torchmp_loop *L, console_entry *e);
 int torchmp_loop_do_say(torchmp_loop *L, command *c);
 void torchmp_loop_console_entry_writable(torchmp_loop *L, console_entry *e);
 int torchmp_loop_consoles_poll(torchmp_loop *L);
