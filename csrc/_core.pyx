@@ -11,7 +11,7 @@ from libc.errno cimport errno, EINTR
 from libc.stdint cimport int64_t, uint64_t
 from cpython.buffer cimport PyBuffer_FillInfo
 from libc.stdlib cimport calloc, free, malloc, realloc
-from libc.string cimport memset, strerror
+from libc.string cimport memchr, memset, strerror
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 from posix.unistd cimport getpid, fork, close as c_close, _exit, write as c_write
 
@@ -354,6 +354,36 @@ cdef object _say(torchmp_console *queue, int fd, bytes data):
         rc = torchmp_say(queue, fd, buf, n)
     check(rc, b"console")
     return rc > 0
+
+
+cdef extern from "<string.h>" nogil:
+    void *memrchr(const void *s, int c, size_t n)
+
+
+def line_cuts(const unsigned char[::1] data, Py_ssize_t piece):
+    """Where to cut data (whole lines) into pieces of at most ``piece``
+    bytes: the end offset of each piece (a line longer than that is a piece
+    of its own; the last offset is len(data))."""
+    cdef Py_ssize_t start = 0, end, n = data.shape[0]
+    cdef const unsigned char *base = &data[0] if n > 0 else NULL
+    cdef const unsigned char *nl
+    cdef list cuts = []
+    if piece < 1:
+        piece = 1
+    while start < n:
+        end = start + piece
+        if end >= n:
+            end = n
+        else:
+            nl = <const unsigned char *>memrchr(base + start, 10, <size_t>(end - start))
+            if nl != NULL:
+                end = nl - base + 1
+            else:  # one line longer than a piece: to its end
+                nl = <const unsigned char *>memchr(base + end, 10, <size_t>(n - end))
+                end = nl - base + 1 if nl != NULL else n
+        cuts.append(end)
+        start = end
+    return cuts
 
 
 def console_say(int fd, bytes data not None) -> bool:
