@@ -238,3 +238,15 @@ def test_torchmp_run_with_a_closed_std_fd(tmp_path, closed):
     lines = console.read_text().splitlines()
     stream = "out" if keep == "1" else "err"
     assert sorted(line for line in lines if line.startswith("[sh")) == [f"[sh{r}]:{stream}" for r in range(3)]
+
+
+def test_object_writes_are_cut_at_line_ends():
+    # What an object console gets per write(): whole lines, at most a piece
+    # long, but a line longer than a piece whole; the rest at the end.
+    from torchmp import _core
+
+    assert _core.line_cuts(b"ab\ncd\nef\n", 6) == [6, 9]
+    assert _core.line_cuts(b"ab\ncd\nef\n", 4) == [3, 6, 9]
+    assert _core.line_cuts(b"abcdefgh\nx\n", 3) == [9, 11]   # the long line whole
+    assert _core.line_cuts(b"ab\nno newline", 5) == [3, 13]  # a tail without one
+    assert _core.line_cuts(b"", 5) == []
