@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
@@ -238,51 +237,6 @@ def test_py_spy_dumps_in_parallel_with_a_time_limit(tmp_path):
 def test_py_spy_is_optional(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     assert _hang.py_spy_dumps([os.getpid()]) == {}
-
-
-def test_write_without_blocking_gives_up_on_a_full_pipe():
-    r, w = os.pipe()
-    try:
-        os.set_blocking(w, False)
-        try:
-            while True:
-                os.write(w, b"x" * 65536)
-        except BlockingIOError:
-            pass
-        os.set_blocking(w, True)
-        started = time.monotonic()
-        assert _hang.write_without_blocking(w, b"report\n" * 10, budget=0.2) is False
-        assert time.monotonic() - started < 2
-        assert os.get_blocking(w)  # the launcher's own fd keeps its flags
-    finally:
-        os.close(r)
-        os.close(w)
-
-
-def test_write_without_blocking_whole_lines_and_a_closed_reader(tmp_path):
-    text = b"".join(b"line %05d %s\n" % (i, b"y" * 100) for i in range(2000))  # > one pipe
-    r, w = os.pipe()
-    got = []
-    reader = threading.Thread(target=lambda: got.append(b"".join(iter(lambda: os.read(r, 65536), b""))))
-    reader.start()
-    try:
-        assert _hang.write_without_blocking(w, text, budget=5) is True
-    finally:
-        os.close(w)
-        reader.join()
-        os.close(r)
-    assert got == [text]
-    assert all(len(p) <= select.PIPE_BUF and p.endswith(b"\n") for p in _hang._pieces(text, select.PIPE_BUF))
-    r, w = os.pipe()
-    os.close(r)
-    try:
-        assert _hang.write_without_blocking(w, b"x\n") is False  # EPIPE: no error
-    finally:
-        os.close(w)
-    f = tmp_path / "console"
-    with open(f, "wb") as out:
-        assert _hang.write_without_blocking(out.fileno(), text) is True
-    assert f.read_bytes() == text
 
 
 # ---------------------------------------------------------------------------

@@ -46,7 +46,7 @@ from typing import Any
 __all__ = [
     "ProcStat", "RankSample", "HangWatch", "ReportThread", "parse_stat", "parse_statm", "read_wchan",
     "state_name", "sample", "format_table", "output_ages", "python_pids_by_group",
-    "py_spy_dumps", "write_without_blocking",
+    "py_spy_dumps",
 ]
 
 _MIB = 1024 * 1024
@@ -493,89 +493,3 @@ def py_spy_dumps(pids: Sequence[int], timeout: float = PY_SPY_TIMEOUT,
                 p.wait()
             sink.close()
     return out
-
-
-# ---------------------------------------------------------------------------
-# The console
-
-
-def _pieces(data: bytes, size: int) -> list[bytes]:
-    """``data`` in pieces of whole lines, each at most ``size`` bytes (a
-    longer line is cut)."""
-    pieces: list[bytes] = []
-    current = b""
-    for line in data.splitlines(keepends=True):
-        while len(line) > size:
-            if current:
-                pieces.append(current)
-                current = b""
-            pieces.append(line[:size])
-            line = line[size:]
-        if len(current) + len(line) > size:
-            pieces.append(current)
-            current = b""
-        current += line
-    if current:
-        pieces.append(current)
-    return pieces
-
-
-def write_without_blocking(fd: int, data: bytes, budget: float = 1.0) -> bool:
-    """Write ``data`` to ``fd`` whole lines at a time, waiting at most
-    ``budget`` seconds in all for a console that does not take it (a pipe
-    nobody reads, a terminal stopped with ^S): the rest is then left out.
-
-    As the native console does: a regular file or /dev/null is written
-    plainly; a pipe, FIFO or terminal through a private non-blocking open
-    file description (the launcher's own fd, shared with the workers, keeps
-    its flags); anything else in pieces of at most PIPE_BUF after a poll for
-    room.  A console that is closed or gone (EPIPE, EIO) ends the write.
-    True if everything was written.
-    """
-    try:
-        st = os.fstat(fd)
-    except OSError:
-        return False
-    if stat.S_ISREG(st.st_mode) or stat.S_ISBLK(st.st_mode) or (
-            stat.S_ISCHR(st.st_mode) and not os.isatty(fd)):
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            return True
-        except OSError:
-            return False
-    private = -1
-    try:
-        private = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-    except OSError:
-        pass
-    target = private if private >= 0 else fd
-    deadline = time.monotonic() + budget
-    poller = select.poll()
-    poller.register(target, select.POLLOUT)
-    try:
-        for piece in _pieces(data, select.PIPE_BUF):
-            # A piece of at most PIPE_BUF bytes goes into a pipe whole or not
-            # at all, so no line of ours tears a worker's line.
-            view = memoryview(piece)
-            while view:
-                written = 0
-                if private >= 0 or poller.poll(0):
-                    try:
-                        written = os.write(target, view)
-                    except BlockingIOError:
-                        pass
-                if written:
-                    view = view[written:]
-                    continue
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                poller.poll(max(1, int(min(left, 0.05) * 1000)))
-        return True
-    except OSError:  # EPIPE, EIO: the console is closed or gone
-        return False
-    finally:
-        if private >= 0:
-            os.close(private)
