@@ -38,7 +38,7 @@ RANKS = 4
 LINE = 100
 # (full, quick) rounds: redirect's sub-0.1 s trials need more of them than tee's
 # for two runs to agree within 10 % (bench/README.md, "Noise").
-REPS = {"tee": (3, 2), "redirect": (15, 3)}
+REPS = {"tee": (3, 2), "teeobject": (3, 2), "redirect": (15, 3)}
 PAD = (b"abcdefghijklmnopqrstuvwxyz" * 4)[:81]
 NAME = b"bench"
 
