@@ -600,6 +600,33 @@ cdef class Group:
         self._ours()
         check(torchmp_group_killpg(self.g, sig), b"killpg")
 
+    def send_signal(self, int sig, ranks=None):
+        """Send sig to the process groups of ranks (an iterable of local
+        ranks; None: every rank whose leader still runs), each only while its
+        group id is pinned (leader running, or its zombie not reaped yet).
+        Returns the ranks whose groups got it.  OSError for the first failed
+        kill (the other ranks were still signalled)."""
+        cdef unsigned char *which = NULL
+        cdef unsigned char *sent = NULL
+        cdef int i, n
+        self._ours()
+        which = <unsigned char *>calloc(self.nprocs if self.nprocs else 1, 1)
+        sent = <unsigned char *>calloc(self.nprocs if self.nprocs else 1, 1)
+        try:
+            if which == NULL or sent == NULL:
+                raise MemoryError()
+            if ranks is not None:
+                for i in ranks:
+                    if not 0 <= i < self.nprocs:
+                        raise ValueError(f"local rank {i} is out of range 0..{self.nprocs - 1}")
+                    which[i] = 1
+            n = torchmp_group_signal(self.g, sig, which if ranks is not None else NULL, ranks is None, sent)
+            check(n, b"kill")
+            return [i for i in range(self.nprocs) if sent[i]]
+        finally:
+            free(which)
+            free(sent)
+
     def busy(self):
         """The ranks whose process group still has a living process: the
         leader, or anything left in the group after the leader exited."""

@@ -388,31 +388,50 @@ static int proc_pinned_locked(const torchmp_proc *p)
            (p->info.state == TORCHMP_PROC_RUNNING || (p->info.state == TORCHMP_PROC_EXITED && p->unreaped));
 }
 
+/* Send sig to pinned rank p's process group.  The worker calls setsid(), so
+ * its pid is its process group.  A worker forked a moment ago may not have
+ * got there yet: then the group does not exist, and the signal goes to the
+ * worker itself.  Returns 0 (sent; a zombie leader counts, it still holds
+ * the group), ESRCH (no such group or process) or another errno.  Caller holds mu, so no reap can
+ * slip in between the pinning check and the kill. */
+static int proc_signal_group_locked(const torchmp_proc *p, int sig)
+{
+    pid_t pid = p->info.pid;
+    if (kill(-pid, sig) == 0)
+        return 0;
+    if (errno != ESRCH || p->info.state != TORCHMP_PROC_RUNNING)
+        return errno;
+    return kill(pid, sig) == 0 ? 0 : errno;
+}
+
 int torchmp_group_killpg(torchmp_group *g, int sig)
 {
+    return torchmp_group_signal(g, sig, NULL, 0, NULL) < 0 ? -1 : 0;
+}
+
+int torchmp_group_signal(torchmp_group *g, int sig, const unsigned char *which, int only_running,
+                         unsigned char *sent)
+{
     torchmp_loop *L = g->loop;
-    int first_errno = 0;
+    int first_errno = 0, count = 0;
     if (!torchmp_loop_group_is_ours(g))
         return -1;
-    /* Under mu, so no reap can slip in between the pinning check and the
-     * kill: a group id is signalled only while its leader's pid is ours. */
     pthread_mutex_lock(&L->mu);
     for (int i = 0; i < g->nprocs; i++) {
         torchmp_proc *p = &g->procs[i];
-        pid_t pid = p->info.pid;
-        if (!proc_pinned_locked(p))
+        int err;
+        if (sent != NULL)
+            sent[i] = 0;
+        if ((which != NULL && !which[i]) || !proc_pinned_locked(p) ||
+            (only_running && p->info.state != TORCHMP_PROC_RUNNING))
             continue;
-        /* The worker calls setsid(), so its pid is its process group.  A
-         * worker forked a moment ago may not have got there yet: then the
-         * group does not exist, and the signal goes to the worker itself. */
-        if (kill(-pid, sig) != 0) {
-            int err = errno;
-            if (err == ESRCH && p->info.state == TORCHMP_PROC_RUNNING && kill(pid, sig) != 0)
-                err = errno;
-            else if (err == ESRCH)
-                err = 0;
-            if (err != 0 && err != ESRCH && first_errno == 0)
-                first_errno = err;
+        err = proc_signal_group_locked(p, sig);
+        if (err != 0 && err != ESRCH && first_errno == 0)
+            first_errno = err;
+        if (err == 0) {
+            count++;
+            if (sent != NULL)
+                sent[i] = 1;
         }
     }
     pthread_mutex_unlock(&L->mu);
@@ -420,7 +439,7 @@ int torchmp_group_killpg(torchmp_group *g, int sig)
         errno = first_errno;
         return -1;
     }
-    return 0;
+    return count;
 }
 
 int torchmp_group_busy(torchmp_group *g, unsigned char *busy)

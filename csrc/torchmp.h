@@ -524,6 +524,12 @@ void torchmp_group_interrupt(torchmp_group *g);
  * leader runs, or is a zombie torchmp has not reaped.  A reaped leader's
  * group is never signalled: its id may belong to somebody else by then. */
 int torchmp_group_killpg(torchmp_group *g, int sig);
+/* The same for the ranks with which[rank] set (NULL: every rank), only those
+ * whose leader still runs if only_running; sent[rank] (if not NULL) says
+ * which groups got it.  Returns how many, or -1 with errno (the first error;
+ * the other ranks were still signalled). */
+int torchmp_group_signal(torchmp_group *g, int sig, const unsigned char *which, int only_running,
+                         unsigned char *sent);
 
 /* busy[rank] = 1 if rank's process group still has a living process (its
  * leader, or -- the leader exited -- anything else in it).  Returns the

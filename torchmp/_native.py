@@ -479,6 +479,13 @@ class _NativeContext(PContext):
             group.wait(min(nap, remaining), version)
             nap = min(nap * 2, self._GROUP_POLL_MAX)
 
+    def _send_signal(self, sig: int, ranks: list[int] | None) -> list[int]:
+        group = self._group
+        try:
+            return [] if group is None or self._closed else group.send_signal(sig, ranks)
+        except ValueError:
+            return []  # released by a close() in another thread meanwhile
+
     def _close(self, death_sig: signal.Signals, timeout: float = 30) -> None:
         with self._close_lock:
             if self._group is None or self._closed:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,6 +173,33 @@ class PContext(abc.ABC):
     @abc.abstractmethod
     def _close(self, death_sig: signal.Signals, timeout: float = 30) -> None:
         raise NotImplementedError
+
+    def send_signal(self, sig: int, ranks: Iterable[int] | None = None) -> list[int]:
+        """Send ``sig`` to the process group of each of ``ranks`` (local
+        ranks; default: every rank still running) and return the ranks whose
+        groups got it, stopping nothing itself (a torchmp extension).
+
+        As in :meth:`close`, a group is signalled only while its id cannot
+        belong to anybody else: its leader is running, or has exited and its
+        zombie is not reaped yet (torchmp reaps in ``close()``, after the
+        last signal: from then on no rank is signalled).  ``ValueError`` for a rank that is not one of this
+        context's, or an unknown signal, before anything is sent (0 sends
+        nothing: which groups are still there)."""
+        if isinstance(sig, bool) or not isinstance(sig, int) or (sig and sig not in signal.valid_signals()):
+            raise ValueError(f"unknown signal {sig!r}")
+        chosen = None
+        if ranks is not None:
+            given = list(ranks)
+            unknown = [r for r in given if isinstance(r, bool) or not isinstance(r, int)
+                       or not 0 <= r < self.nprocs]
+            if unknown:
+                raise ValueError(f"unknown local rank(s) {unknown} (this context has ranks "
+                                 f"0..{self.nprocs - 1})")
+            chosen = sorted(set(given))
+        return self._send_signal(int(sig), chosen)
+
+    def _send_signal(self, sig: int, ranks: list[int] | None) -> list[int]:
+        raise NotImplementedError(f"{type(self).__name__} cannot send signals to its ranks")
 
     def close(self, death_sig: signal.Signals | None = None, timeout: float = 30) -> None:
         """Terminate every worker: ``death_sig`` (default SIGTERM) to each
