@@ -239,6 +239,7 @@ def loop_fd_count():
 
 include "specs.pxi"
 include "group.pxi"
+include "process.pxi"
 
 
 DEFAULT_CONSOLE_BACKLOG = TORCHMP_DEFAULT_CONSOLE_BACKLOG

@@ -274,9 +274,10 @@ class StubCtx:
 @pytest.fixture
 def report_handler(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_SIGNALS_TO_HANDLE", raising=False)
-    saved = signal.getsignal(signal.SIGUSR2)
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGUSR2)}  # USR1: forwarded
     yield
-    signal.signal(signal.SIGUSR2, saved)
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
     assert signal.set_wakeup_fd(-1) == -1  # given back
 
 
@@ -386,8 +387,10 @@ def test_signals_coalesce_and_stop_finishes_the_report(report_handler):
 def test_torchelastic_signals_to_handle_naming_sigusr2_wins(report_handler, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGUSR2")
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-    make_run().install_report_handler()
+    first = make_run()
+    first.install_report_handler()
     assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN  # left to start_processes
+    first.reports.stop()
     # The silence timer still makes its reports.
     run = make_run("--hang-report-after", "0.2")
     run.hang.started = time.monotonic()

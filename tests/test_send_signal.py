@@ -21,7 +21,8 @@ from helpers import launch, pid_alive, read_pids, wait_gone
 TRAPPER = r"""
 out="$1"
 trap 'echo "sh $$ got USR1" >> "$out"' USR1
-sh -c 'trap "echo \"child \$\$ got USR1\" >> \"$0\"" USR1; trap "exit 0" TERM; echo $$ >> "$0.pids"; while :; do sleep 0.05; done' "$out" &
+sh -c 'trap "echo \"child \$\$ got USR1\" >> \"$0\"" USR1; trap "exit 0" TERM
+       echo $$ >> "$0.pids"; while :; do sleep 0.05; done' "$out" &
 echo $$ >> "$out.pids"
 while :; do sleep 0.05; done
 """
@@ -52,7 +53,7 @@ def trappers(tmp_path):
 def test_every_running_rank_gets_it_in_its_whole_group(trappers):
     ctx, outs, pids = trappers
     assert ctx.send_signal(signal.SIGUSR1) == [0, 1, 2]
-    for rank, (out, pair) in enumerate(zip(outs, pids)):
+    for rank, (out, pair) in enumerate(zip(outs, pids, strict=True)):
         leader = ctx.pids()[rank]
         child = next(p for p in pair if p != leader)
         assert sorted(wait_lines(out, 2)) == [f"child {child} got USR1", f"sh {leader} got USR1"]

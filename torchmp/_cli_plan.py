@@ -6,16 +6,24 @@ import argparse
 import errno
 import os
 import re
-import signal
 import socket
 import string
 import sys
 import tempfile
-from collections.abc import Sequence
-from typing import Any, NoReturn
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn, TypeVar
 
 from torchmp import _console, _slurm
 from torchmp._inputs import stderr_tail_bound
+from torchmp._signals import (
+    DEFAULT_FORWARD_SIGNALS,
+    DEFAULT_REPORT_SIGNAL,
+    FORWARD_SIGNALS_VAR,
+    REPORT_SIGNAL_VAR,
+    check_launcher_signals,
+    parse_optional_signal,
+    parse_signal_list,
+)
 from torchmp._placement import (
     AFFINITY_MODES,
     MEM_BIND_MODES,
@@ -36,10 +44,6 @@ PROG = "torchmp run"
 #: Fields a ``--prefix`` template may use.
 PREFIX_FIELDS = ("name", "rank", "local_rank", "pid", "host")
 DEFAULT_PREFIX = "[{name}{rank}]:"
-
-#: The signal that asks ``torchmp run`` for a hang report (unless
-#: TORCHELASTIC_SIGNALS_TO_HANDLE names it: then it stops the job).
-REPORT_SIGNAL = signal.SIGUSR2
 
 #: Set in every rank (unless already set, or --no-faulthandler): CPython then
 #: enables faulthandler at startup, so a fatal signal prints the Python stack.
@@ -86,8 +90,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
             "Exit status: 0 if every rank succeeded; else the root-cause rank's exit "
             "code, or 128+N if it died by signal N (as srun); 128+N if torchmp run "
             "itself got signal N; 2 for bad usage; 127/126 if COMMAND cannot be found/run.  "
-            f"{REPORT_SIGNAL.name} to torchmp run prints where each rank is (a hang report), "
-            "stopping nothing."
+            "SIGUSR2 to torchmp run prints where each rank is (a hang report), "
+            "stopping nothing; SIGUSR1 is passed on to every rank; any other signal that "
+            "would kill it stops the ranks first (then 128+N)."
         ),
     )
     p.add_argument("-n", "--nproc", "--nproc-per-node", dest="nproc", type=int, default=None,
@@ -145,8 +150,15 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                         "stderr)")
     p.add_argument("--hang-report-after", type=float, default=None, metavar="SECONDS",
                    help="when no rank has written any output for SECONDS, print where each "
-                        f"rank is (the hang report {REPORT_SIGNAL.name} asks for), once per "
+                        "rank is (the hang report --hang-report-signal asks for), once per "
                         "silence: again only after new output and another SECONDS of silence")
+    p.add_argument("--forward-signals", default=None, metavar="LIST",
+                   help="signals torchmp run passes on to the process group of every running "
+                        "rank, stopping nothing: comma-separated names or numbers (USR1, SIGUSR2, "
+                        f"RTMIN+1), or 'none' (default: USR1, or ${FORWARD_SIGNALS_VAR})")
+    p.add_argument("--hang-report-signal", default=None, metavar="SIG",
+                   help="the signal that asks torchmp run for a hang report, or 'none' "
+                        f"(default: USR2, or ${REPORT_SIGNAL_VAR})")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="when torchmp run gets a signal, how long the workers get to exit "
                         "after it is passed on to them, before SIGKILL (default: 30; the "
@@ -358,6 +370,20 @@ def where_ranks_run(ctx: Any) -> dict[int, str]:
             for local, pid in sorted(ctx.pids().items())}
 
 
+_T = TypeVar("_T")
+
+
+def _signal_setting(given: str | None, var: str, default: str, option: str, parse: Callable[[str], _T]) -> _T:
+    """A signal setting from its option, else its environment variable, else
+    the default; a usage error that names where a bad value came from."""
+    text, source = ((given, option) if given is not None
+                    else (os.environ[var], f"${var}") if var in os.environ else (default, option))
+    try:
+        return parse(text)
+    except ValueError as e:
+        raise _UsageError(f"{source}: {e}") from None
+
+
 class _Plan:
     """Everything a launch needs, checked before anything starts."""
 
@@ -430,6 +456,17 @@ class _Plan:
         self.timestamps: bool = args.timestamps
         self.faulthandler: bool = args.faulthandler
         self.hang_report_after: float | None = args.hang_report_after
+        #: The report signal (None: none) and the signals passed on to the ranks.
+        self.report_signal: int | None = _signal_setting(
+            args.hang_report_signal, REPORT_SIGNAL_VAR, DEFAULT_REPORT_SIGNAL.name, "--hang-report-signal",
+            parse_optional_signal)
+        forward: list[int] = _signal_setting(
+            args.forward_signals, FORWARD_SIGNALS_VAR, ",".join(s.name for s in DEFAULT_FORWARD_SIGNALS),
+            "--forward-signals", parse_signal_list)
+        try:
+            self.forward_signals = check_launcher_signals(forward, self.report_signal)
+        except ValueError as e:
+            raise _UsageError(f"--forward-signals/--hang-report-signal: {e}") from None
         try:
             self.console_backlog: int = _console.backlog_bound(args.console_backlog)
         except (TypeError, ValueError) as e:

@@ -333,7 +333,9 @@ class ReportThread:
 
     ``due(asked)`` makes the reports that are due (``asked``: the signal
     came) and returns the seconds until it must be called again (-1: only
-    when the signal comes).  Usage, on the main thread::
+    when the signal comes).  The signals in ``forward`` reach the thread the
+    same way, and ``forward_one(sig)`` is called for each that came, once
+    per delivery, before the reports.  Usage, on the main thread::
 
         reports = ReportThread(signal.SIGUSR2, due)
         reports.arm()        # before the launch: signals are caught from now
@@ -342,24 +344,34 @@ class ReportThread:
         reports.stop()       # a report in progress is finished first
     """
 
-    def __init__(self, signum: int, due: Callable[[bool], float]) -> None:
+    def __init__(self, signum: int | None, due: Callable[[bool], float], forward: Sequence[int] = (),
+                 forward_one: Callable[[int], None] | None = None) -> None:
         self.signum = signum
         self._due = due
+        self.forward = tuple(forward)
+        self._forward_one = forward_one
         self._read_fd = self._write_fd = -1
         self._previous_wakeup_fd = -1
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._catching = False
+        self._asks = False
 
     def arm(self, catch_signal: bool = True) -> None:
-        """Make the wake-up pipe and, with catch_signal, install the
-        signal's (empty) handler and the pipe as the wake-up fd; main thread
-        only.  Signals that arrive before start() wait in the pipe."""
+        """Make the wake-up pipe and install the (empty) handlers of the
+        forwarded signals and, with catch_signal, of the report signal, and
+        the pipe as the wake-up fd; main thread only.  Signals that arrive
+        before start() wait in the pipe."""
         if self._read_fd >= 0:
             return
         self._read_fd, self._write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        if catch_signal:
-            signal.signal(self.signum, _wake_only)
+        # The wake-up fd hears every signal with a Python handler: the report
+        # signal asks only if it is ours (not start_processes' to stop the job).
+        self._asks = catch_signal and self.signum is not None
+        caught = ([self.signum] if self.signum is not None and self._asks else []) + list(self.forward)
+        if caught:
+            for sig in caught:
+                signal.signal(sig, _wake_only)
             self._previous_wakeup_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
             self._catching = True
 
@@ -382,7 +394,11 @@ class ReportThread:
                 data = os.read(self._read_fd, 4096)
             except BlockingIOError:
                 continue
-            asked = self.signum in data
+            if self._forward_one is not None:
+                for sig in data:
+                    if sig in self.forward:
+                        self._forward_one(sig)
+            asked = self._asks and self.signum is not None and self.signum in data
 
     def stop(self, timeout: float = PY_SPY_TIMEOUT + 5) -> None:
         """Stop the thread (after the report it is making, waiting at most
@@ -410,8 +426,8 @@ class ReportThread:
 
 
 def _wake_only(signum: int, frame: FrameType | None) -> None:
-    """The report signal's Python handler: nothing to do, the wake-up fd
-    has already woken the report thread."""
+    """The Python handler of the report signal and the forwarded ones:
+    nothing to do, the wake-up fd has already woken the report thread."""
 
 
 # ---------------------------------------------------------------------------

@@ -1,13 +1,16 @@
 """The launcher's signals: one owner for which signals stop a launch
-(``TORCHELASTIC_SIGNALS_TO_HANDLE``), the handler that turns them into
-:class:`SignalException`, and closing a context whatever signal lands
-meanwhile.  Used by the contexts, ``torchmp run`` and the torchrun plug-in."""
+(``TORCHELASTIC_SIGNALS_TO_HANDLE``; for ``torchmp run`` every other fatal
+one too), which ones ``torchmp run`` forwards or takes as the hang report's
+request, the handler that turns them into :class:`SignalException`, and
+closing a context whatever signal lands meanwhile.  Used by the contexts,
+``torchmp run`` and the torchrun plug-in."""
 
 from __future__ import annotations
 
 import logging
 import os
 import signal
+from collections.abc import Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +24,128 @@ logger = logging.getLogger("torchmp.api")
 #: TORCHELASTIC_SIGNALS_TO_HANDLE names others: torchelastic's default.
 DEFAULT_HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 _DEFAULT_HANDLED_NAMES = ",".join(s.name for s in DEFAULT_HANDLED_SIGNALS)
+
+#: Signals whose default action does not end a process (or that cannot be
+#: caught): every other signal, left alone, would kill a launcher.
+_NOT_FATAL = frozenset(getattr(signal, name) for name in (
+    "SIGCHLD", "SIGCONT", "SIGSTOP", "SIGTSTP", "SIGTTIN", "SIGTTOU", "SIGURG", "SIGWINCH", "SIGKILL")
+    if hasattr(signal, name))
+
+#: Fatal signals a launcher leaves alone: a debugger's breakpoints and
+#: seccomp's verdicts are not requests, and returning from a handler would
+#: swallow them.
+_NOT_REQUESTS = frozenset(getattr(signal, name) for name in ("SIGTRAP", "SIGSYS") if hasattr(signal, name))
+
+#: Fault signals: a handler that returns from a real one runs the faulting
+#: instruction again, so only the ones another process sent are caught
+#: (torchmp._core.route_sent_faults).
+FAULT_SIGNALS = tuple(getattr(signal, name) for name in ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL")
+                      if hasattr(signal, name))
+
+#: The signals ``torchmp run`` passes on to its ranks unless told otherwise
+#: (``--forward-signals``, or this variable): what Slurm's ``--signal`` and
+#: the requeue logic of Lightning and submitit send before a time limit.
+FORWARD_SIGNALS_VAR = "TORCHMP_FORWARD_SIGNALS"
+DEFAULT_FORWARD_SIGNALS = (signal.SIGUSR1,)
+
+#: The signal that asks ``torchmp run`` for a hang report, unless told
+#: otherwise (``--hang-report-signal``, or this variable).
+REPORT_SIGNAL_VAR = "TORCHMP_HANG_REPORT_SIGNAL"
+DEFAULT_REPORT_SIGNAL = signal.SIGUSR2
+
+
+def fatal_signals() -> list[int]:
+    """Every signal this process can catch whose default action ends it
+    (the real-time signals included), in number order."""
+    return sorted(s for s in signal.valid_signals() if s not in _NOT_FATAL)
+
+
+def signal_name(sig: int) -> str:
+    """``SIGUSR1``; ``SIGRTMIN+3`` for a real-time signal Python has no name for."""
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        rtmin = getattr(signal, "SIGRTMIN", None)
+        if rtmin is not None and sig > rtmin:
+            return f"SIGRTMIN+{sig - rtmin}"
+        return f"signal {sig}"
+
+
+def parse_signal(text: str) -> int:
+    """A signal from ``USR1``, ``SIGUSR1``, ``usr1``, ``10`` or
+    ``RTMIN+3``; ValueError (saying why) for anything else, and for
+    SIGKILL and SIGSTOP, which cannot be caught."""
+    word = text.strip().upper()
+    name = word if word.startswith("SIG") else "SIG" + word
+    sig: int | None = None
+    if word.isdigit():
+        sig = int(word)
+    else:
+        base, plus, offset = name.partition("+")
+        minus = ""
+        if not plus:
+            base, minus, offset = name.partition("-")
+        known = getattr(signal, base, None)
+        if isinstance(known, signal.Signals) and (plus or minus) and offset.isdigit() \
+                and base in ("SIGRTMIN", "SIGRTMAX"):
+            sig = int(known) + (int(offset) if plus else -int(offset))
+        elif isinstance(known, signal.Signals) and not (plus or minus):
+            sig = int(known)
+    if sig is None or sig not in signal.valid_signals():
+        raise ValueError(f"unknown signal {text!r}")
+    if sig in (signal.SIGKILL, signal.SIGSTOP):
+        raise ValueError(f"{signal_name(sig)} cannot be caught")
+    return sig
+
+
+def parse_optional_signal(text: str) -> int | None:
+    """:func:`parse_signal`, or None for ``none`` / empty."""
+    return None if text.strip().lower() in ("", "none") else parse_signal(text)
+
+
+def check_launcher_signals(forward: Sequence[int], report: int | None) -> list[int]:
+    """The signals ``torchmp run`` passes on to its ranks, checked against
+    the ones that stop it: ValueError if one is forwarded and also stops
+    the job (SIGTERM, SIGINT, SIGHUP, SIGQUIT) or asks for the hang report,
+    or if the report signal stops the job.  A signal
+    TORCHELASTIC_SIGNALS_TO_HANDLE names stops the job, as in torchelastic,
+    so it is left out of the answer (the report signal gives way the same
+    way: see ``torchmp.cli``)."""
+    for sig in forward:
+        if sig in DEFAULT_HANDLED_SIGNALS:
+            raise ValueError(f"{signal_name(sig)} stops the job (it is passed on to the ranks, "
+                             "then SIGKILL after --shutdown-timeout); it cannot be forwarded")
+        if sig == report:
+            raise ValueError(f"{signal_name(sig)} asks for the hang report; to forward it, choose "
+                             "another --hang-report-signal (or none)")
+    if report in DEFAULT_HANDLED_SIGNALS:
+        raise ValueError(f"{signal_name(report)} stops the job; it cannot ask for the hang report")
+    handled = handled_signals(log_unknown=False)
+    return [sig for sig in forward if sig not in handled]
+
+
+def stop_signals(forward: Sequence[int], report: int | None) -> list[int]:
+    """Every signal that would kill this process by its default action and
+    that it neither forwards nor takes as the report request, nor ignores
+    already (Python ignores SIGPIPE and SIGXFSZ): ``torchmp run`` catches
+    them all and stops the ranks the normal way.  SIGTRAP and SIGSYS are
+    left alone (not requests), and so are SIGKILL and SIGSTOP (cannot be)."""
+    keep = set(forward) | {report} | _NOT_REQUESTS
+    return [sig for sig in fatal_signals()
+            if sig not in keep and (sig in DEFAULT_HANDLED_SIGNALS or signal.getsignal(sig) != signal.SIG_IGN)]
+
+
+def parse_signal_list(text: str) -> list[int]:
+    """``USR1,USR2`` (or ``none`` / empty: no signal) -> signals, each once."""
+    if text.strip().lower() in ("", "none"):
+        return []
+    found: list[int] = []
+    for item in text.split(","):
+        sig = parse_signal(item)
+        if sig not in found:
+            found.append(sig)
+    return found
+
 
 # Signals Windows cannot handle (torch logs them at INFO there).
 _WINDOWS_UNSUPPORTED = ("SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")

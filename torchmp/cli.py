@@ -23,6 +23,7 @@ every rank exited 0                 0
 a rank failed                       the root-cause rank's exit code, or
                                     128 + N if signal N killed it
 ``torchmp run`` got signal N        128 + N (after terminating the workers)
+                                    unless it forwards N (see below)
 bad usage (nothing started)         2
 the log directory cannot be made    1 (nothing started)
 the command cannot be found         127 (126: found but not executable)
@@ -34,6 +35,12 @@ Log files are laid out as ``torchrun``'s:
 A console that is closed or gone (``| head -1``, a terminal that went away)
 is not an error: it is dropped -- its fd is pointed at ``/dev/null`` -- while
 the log files stay complete and the exit status stays the workers'.
+
+Signals: SIGTERM, SIGINT, SIGHUP and SIGQUIT are passed on to every rank's
+process group, SIGKILL after ``--shutdown-timeout``; the signals of
+``--forward-signals`` (default SIGUSR1) are passed on and the job goes on;
+any other signal that would kill ``torchmp run`` stops the ranks the normal
+way (SIGTERM, grace, SIGKILL) and prints the report before it exits 128 + N.
 
 Where is each rank of a job that hangs?  ``kill -USR2 <pid of torchmp run>``
 prints a table (pid, state, CPU time, RSS, seconds since its last output,
@@ -60,10 +67,13 @@ from torchmp import _console, _core, _hang
 from torchmp._exec import resolve_executable
 from torchmp._signals import (
     DEFAULT_HANDLED_SIGNALS,
+    FAULT_SIGNALS,
     SignalException,
     _terminate_process_handler,
     close_despite_interrupts,
     handled_signals,
+    signal_name,
+    stop_signals,
 )
 from torchmp.api import start_processes
 from torchmp.errors import ChildFailedError
@@ -77,7 +87,6 @@ from torchmp._cli_console import (
 )
 from torchmp._cli_plan import (
     PROG,
-    REPORT_SIGNAL,
     _AnnouncingLogsSpecs,
     _describe_mkdir_error,
     _free_port,
@@ -91,7 +100,8 @@ from torchmp._cli_plan import (
 
 __all__ = ["build_parser", "main"]
 
-#: Signals that make ``torchmp run`` terminate its workers and exit 128 + N.
+#: Signals that ``torchmp run`` passes on to its workers to terminate them
+#: (then exits 128 + N); every other signal that stops it sends SIGTERM.
 HANDLED_SIGNALS = DEFAULT_HANDLED_SIGNALS
 
 logger = logging.getLogger("torchmp.cli")
@@ -101,9 +111,32 @@ logger = logging.getLogger("torchmp.cli")
 # Running
 
 
-def _install_handlers() -> None:
-    for sig in HANDLED_SIGNALS:
-        signal.signal(sig, _terminate_process_handler)
+class _StopSignal(SignalException):
+    """A signal that stops ``torchmp run`` though it is none of the handled
+    ones: the workers are terminated with SIGTERM, the exit status is
+    128 + ``signum``."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"Process {os.getpid()} got signal: {signal_name(signum)}", sigval=signal.SIGTERM)
+        self.signum = signum
+
+
+def _stop_handler(signum: int, frame: Any) -> None:
+    raise _StopSignal(signum)
+
+
+def _install_handlers(plan: _Plan) -> list[int]:
+    """Catch every signal that would kill ``torchmp run`` and that it does
+    not forward or take as the report request; returns those that may be
+    blocked during the launch (the faults never are)."""
+    caught = stop_signals(plan.forward_signals, plan.report_signal)
+    for sig in caught:
+        handler = _terminate_process_handler if sig in HANDLED_SIGNALS else _stop_handler
+        if sig in FAULT_SIGNALS:
+            _core.route_sent_faults(sig, handler)
+        else:
+            signal.signal(sig, handler)
+    return [sig for sig in caught if sig not in FAULT_SIGNALS]
 
 
 # The handler _configure_logging added (main() may run more than once in a
@@ -131,14 +164,20 @@ class _Run:
         self.plan = plan
         self.ctx: Any = None
         self.result: Any = None
-        self.signal: signal.Signals | None = None
+        #: The signal that stopped the run (and the one its workers got).
+        self.signal: int | None = None
+        self.death_signal = signal.SIGTERM
+        #: What _install_handlers caught (blocked while the workers start).
+        self.caught: list[int] = list(HANDLED_SIGNALS)
         self.started = time.monotonic()
         self.specs: _AnnouncingLogsSpecs | None = None
         self.hang = _hang.HangWatch(plan.hang_report_after, self.started)
         # The reports are made on a thread of their own, woken by the report
         # signal or the silence timer, so that the main thread may be
         # anywhere (asleep in the wait, in a fail-fast or a shutdown grace).
-        self.reports = _hang.ReportThread(REPORT_SIGNAL, self._reports_due)
+        # The forwarded signals reach the same thread the same way.
+        self.reports = _hang.ReportThread(plan.report_signal, self._reports_due,
+                                          plan.forward_signals, self._forward)
         self._py_spy_hint = True
         #: Where each local rank runs, for --report-bindings (else empty).
         self.bindings: dict[int, str] = {}
@@ -168,7 +207,7 @@ class _Run:
         # down with its own 30 s grace, not --shutdown-timeout.  Held until
         # the context is ours, it is handled by shut_down like any other.
         # (Workers start with an empty signal mask whatever the launcher's.)
-        signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED_SIGNALS)
+        signal.pthread_sigmask(signal.SIG_BLOCK, self.caught)
         try:
             self.ctx = start_processes(
                 name=plan.name,
@@ -181,7 +220,7 @@ class _Run:
                 **extra,
             )
         finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED_SIGNALS)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, self.caught)
         if plan.report_bindings:
             self.bindings = where_ranks_run(self.ctx)
             for local, text in self.bindings.items():
@@ -189,13 +228,28 @@ class _Run:
 
     # -- hang reports -------------------------------------------------------
     def install_report_handler(self) -> None:
-        """SIGUSR2 asks for a hang report -- unless TORCHELASTIC_SIGNALS_TO_HANDLE
-        names it: start_processes then makes it stop the job, as asked.
-        From now on the signal is caught; its reports (and the silence
-        timer's) start with the launch (start_reports)."""
-        catch = REPORT_SIGNAL not in handled_signals()
-        if catch or self.hang.after is not None:
+        """The report signal (SIGUSR2) asks for a hang report -- unless
+        TORCHELASTIC_SIGNALS_TO_HANDLE names it: start_processes then makes
+        it stop the job, as asked.  From now on it and the forwarded signals
+        are caught; reports (and the silence timer's) and forwarding start
+        with the launch (start_reports)."""
+        report = self.plan.report_signal
+        catch = report is not None and report not in handled_signals()
+        if catch or self.hang.after is not None or self.plan.forward_signals:
             self.reports.arm(catch_signal=catch)
+
+    def _forward(self, sig: int) -> None:
+        """On the report thread: pass sig on to every running rank's group."""
+        try:
+            ranks = self.ctx.send_signal(sig)
+        except OSError as e:
+            _say(f"got {signal_name(sig)}: could not pass it on: {e.strerror or e}")
+            return
+        if ranks:
+            _say(f"got {signal_name(sig)}: passed it on to rank "
+                 + ", ".join(str(self.plan.global_rank(r)) for r in ranks))
+        else:
+            _say(f"got {signal_name(sig)}: no rank left to pass it on to")
 
     def start_reports(self) -> None:
         """Make reports from now on (once the context exists)."""
@@ -207,7 +261,7 @@ class _Run:
         until the next check (-1: none, only the signal wakes it)."""
         try:
             if asked:
-                self._try_report(f"asked by {REPORT_SIGNAL.name}")
+                self._try_report(f"asked by {signal_name(self.plan.report_signal or 0)}")
             if self.hang.after is None:
                 return -1.0
             due, next_check = self.hang.check(_hang.output_ages(self.ctx), time.monotonic())
@@ -274,12 +328,15 @@ class _Run:
             result = self.ctx.wait()
         self.result = result
 
-    def shut_down(self, sig: signal.Signals) -> None:
-        """Terminate the workers with ``sig``; a second signal means SIGKILL now."""
-        self.signal = self.signal or sig
+    def shut_down(self, e: SignalException) -> None:
+        """Terminate the workers (with the signal itself if it is one of
+        HANDLED_SIGNALS, else SIGTERM); a second signal means SIGKILL now."""
+        if self.signal is None:
+            self.signal = getattr(e, "signum", int(e.sigval))
+            self.death_signal = e.sigval
         if self.ctx is not None:
             self.start_reports()  # a report asked for during the grace is made too
-            close_despite_interrupts(self.ctx, sig, self.plan.shutdown_timeout)
+            close_despite_interrupts(self.ctx, e.sigval, self.plan.shutdown_timeout)
             self.result = self.ctx.wait(0)
 
     def exit_code(self) -> int:
@@ -302,7 +359,7 @@ class _Run:
         ranks = {local for local, failure in self.result.failures.items()
                  if failure.terminated_by_launcher or (
                      self.signal is not None
-                     and failure.exitcode in (-self.signal, -signal.SIGKILL))}
+                     and failure.exitcode in (-self.death_signal, -signal.SIGKILL))}
         # A rank that exits 0 when told to stop is in no failure: the context
         # knows which ranks were still running when it sent the signal.
         ranks.update(getattr(self.ctx, "_terminated_by_launcher", ()))
@@ -333,7 +390,7 @@ class _Run:
         (the console keeps them in order; none of it waits for a console)."""
         elapsed = time.monotonic() - self.started
         if self.signal is not None:
-            _say(f"got {self.signal.name}: terminated the workers")
+            _say(f"got {signal_name(self.signal)}: terminated the workers")
         elif self.result is not None and self.result.failures:
             _show(self._child_failed_error().format_msg() + "\n")
         if self.plan.summary:
@@ -391,14 +448,14 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
         _say(plan.slurm_note)
     _configure_logging()
     run = _Run(plan)
-    _install_handlers()  # before the first worker exists
+    run.caught = _install_handlers(plan)  # before the first worker exists
     run.install_report_handler()
     try:
         try:
             run.launch()
             run.wait()
         except SignalException as e:
-            run.shut_down(e.sigval)
+            run.shut_down(e)
         except _SetupError as e:
             _say(f"error: {e}")
             return 1
@@ -416,8 +473,8 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
         return run.exit_code()
     except SignalException as e:
         # A signal while reporting: the workers are already gone or going.
-        run.shut_down(e.sigval)
-        return 128 + int(e.sigval)
+        run.shut_down(e)
+        return 128 + getattr(e, "signum", int(e.sigval))
     finally:
         if run.ctx is not None:
             close_despite_interrupts(run.ctx, signal.SIGKILL, 0)

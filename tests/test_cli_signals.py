@@ -1,0 +1,165 @@
+"""``torchmp run`` and the signals a scheduler sends it.
+
+* SIGUSR1 (``--forward-signals``, ``$TORCHMP_FORWARD_SIGNALS``) is passed on
+  to every running rank's process group and the job goes on: ranks that
+  trap it print it and finish; ranks that do not die of it, and that is
+  their failure as usual.
+* The hang report's signal is a setting (``--hang-report-signal``), so
+  SIGUSR2 can be forwarded instead.
+* Any other signal that would kill the launcher (SIGUSR1 when not
+  forwarded, SIGALRM, a real-time signal, a SIGSEGV sent with kill) stops the
+  ranks the normal way -- SIGTERM, the grace, SIGKILL -- and the report and
+  summary are printed before it exits 128 + N.
+* Conflicting or unknown signals are bad usage, before anything starts.
+
+Launchers run from a temporary directory in sessions of their own; cleanup
+is by tag and process group (helpers.Launchers).
+"""
+from __future__ import annotations
+
+import signal
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from helpers import Launcher, Launchers, wait_no_tagged
+
+UNSET = ("TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCHMP_FORWARD_SIGNALS", "TORCHMP_HANG_REPORT_SIGNAL")
+
+# A rank that traps SIGUSR1 and SIGUSR2 (prints which, then finishes) and
+# SIGTERM (prints it, exits 0); "plain" traps nothing.
+RANK = textwrap.dedent("""\
+    import os, signal, sys, time
+    rank = os.environ["RANK"]
+    def on(sig, _):
+        print(f"rank {rank} got {signal.Signals(sig).name}", flush=True)
+        sys.exit(0)
+    if sys.argv[1] == "trap":
+        for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM):
+            signal.signal(sig, on)
+    print("ready", flush=True)
+    time.sleep(60)
+    sys.exit(5)
+""")
+
+
+@pytest.fixture
+def run(tmp_path):
+    """Start ``python -m torchmp run -n 2 OPTIONS -- python rank.py MODE``
+    in tmp_path, with its output followed; stopped at the end of the test."""
+    (tmp_path / "rank.py").write_text(RANK)
+    with Launchers(follow=True) as launchers:
+        def start(*options: str, mode: str = "trap", env: dict[str, str] | None = None) -> Launcher:
+            return launchers.start(
+                [sys.executable, "-m", "torchmp", "run", "-n", "2", "--log-dir", str(tmp_path / "logs"),
+                 *options, "--", sys.executable, "rank.py", mode],
+                cwd=tmp_path, env=env, unset=UNSET)
+        yield start
+
+
+def ready(la: Launcher) -> None:
+    la.wait_for(lambda: sum(line.endswith("]:ready") for line in la.out) == 2, 30, "2 ready lines")
+
+
+def logs(tmp_path: Path, rank: int) -> str:
+    [path] = (tmp_path / "logs").glob(f"rank_*/attempt_0/{rank}/stdout.log")
+    return path.read_text()
+
+
+def summary(la: Launcher) -> str:
+    return next(line for line in la.err if line.startswith("torchmp: summary of rank: "))
+
+
+def test_usr1_is_passed_on_and_the_job_goes_on(run, tmp_path):
+    la = run()
+    ready(la)
+    la.proc.send_signal(signal.SIGUSR1)
+    assert la.finish() == 0
+    assert "torchmp: got SIGUSR1: passed it on to rank 0, 1" in la.err
+    assert summary(la).startswith("torchmp: summary of rank: 2/2 ranks succeeded, exit code 0, ")
+    for rank in (0, 1):
+        assert logs(tmp_path, rank) == f"ready\nrank {rank} got SIGUSR1\n"
+    assert not any("terminated" in line for line in la.err)
+    assert wait_no_tagged(la.tag) == []
+
+
+def test_a_rank_killed_by_the_forwarded_signal_is_its_failure(run):
+    la = run(mode="plain")
+    ready(la)
+    la.proc.send_signal(signal.SIGUSR1)
+    assert la.finish() == 128 + signal.SIGUSR1  # the root-cause rank's, as srun
+    assert "torchmp: got SIGUSR1: passed it on to rank 0, 1" in la.err
+    assert any("Signal 10 (SIGUSR1) received by PID" in line for line in la.err)
+    assert summary(la).startswith("torchmp: summary of rank: 0/2 ranks succeeded, exit code 138, ")
+    assert not any("got SIGUSR1: terminated the workers" in line for line in la.err)
+    assert wait_no_tagged(la.tag) == []
+
+
+@pytest.mark.parametrize("how", ["option", "env"])
+def test_usr2_forwarded_and_the_report_on_another_signal(run, tmp_path, how):
+    report = signal.SIGRTMIN + 1
+    if how == "option":
+        la = run("--forward-signals", "usr1,SIGUSR2", "--hang-report-signal", "RTMIN+1")
+    else:
+        la = run(env={"TORCHMP_FORWARD_SIGNALS": "USR2", "TORCHMP_HANG_REPORT_SIGNAL": str(int(report))})
+    ready(la)
+    la.proc.send_signal(report)
+    la.wait_for(lambda: any("hang report 1 saved in" in line for line in la.err), 15, "report 1")
+    assert any("hang report 1 of rank (asked by SIGRTMIN+1)" in line for line in la.err)
+    la.proc.send_signal(signal.SIGUSR2)
+    assert la.finish() == 0
+    assert "torchmp: got SIGUSR2: passed it on to rank 0, 1" in la.err
+    for rank in (0, 1):
+        assert logs(tmp_path, rank) == f"ready\nrank {rank} got SIGUSR2\n"
+    assert wait_no_tagged(la.tag) == []
+
+
+@pytest.mark.parametrize("sig, options", [
+    (signal.SIGUSR1, ("--forward-signals", "none")),
+    (signal.SIGALRM, ()),
+    (signal.SIGRTMIN + 2, ()),
+    (signal.SIGSEGV, ()),      # sent with kill(): a request, not a fault
+    (signal.SIGUSR2, ("--hang-report-signal", "none")),
+])
+def test_any_other_fatal_signal_stops_the_ranks_the_normal_way(run, tmp_path, sig, options):
+    la = run("--shutdown-timeout", "20", *options)
+    ready(la)
+    la.proc.send_signal(sig)
+    assert la.finish() == 128 + sig
+    name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else f"SIGRTMIN+{sig - signal.SIGRTMIN}"
+    assert f"torchmp: got {name}: terminated the workers" in la.err
+    assert sum("closing signal SIGTERM" in line for line in la.err) == 2
+    assert summary(la).startswith(f"torchmp: summary of rank: 0/2 ranks succeeded, exit code {128 + sig}, ")
+    for rank in (0, 1):  # SIGTERM reached the ranks (their handler ran): not SIGKILL
+        assert logs(tmp_path, rank) == f"ready\nrank {rank} got SIGTERM\n"
+    assert wait_no_tagged(la.tag) == []
+
+
+def test_torchelastic_signals_to_handle_naming_usr1_makes_it_stop_the_job(run, tmp_path):
+    la = run(env={"TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGUSR1"})
+    ready(la)
+    la.proc.send_signal(signal.SIGUSR1)
+    assert la.finish() == 128 + signal.SIGUSR1
+    assert "torchmp: got SIGUSR1: terminated the workers" in la.err
+    assert not any("passed it on" in line for line in la.err)
+    for rank in (0, 1):  # the ranks got SIGUSR1 itself, as in torchelastic
+        assert logs(tmp_path, rank) == f"ready\nrank {rank} got SIGUSR1\n"
+
+
+@pytest.mark.parametrize("options, env, message", [
+    (("--forward-signals", "TERM"), {}, "--forward-signals/--hang-report-signal: SIGTERM stops the job"),
+    (("--forward-signals", "USR2"), {}, "SIGUSR2 asks for the hang report; to forward it, choose another"),
+    (("--forward-signals", "USR1,BOGUS"), {}, "--forward-signals: unknown signal 'BOGUS'"),
+    (("--forward-signals", "KILL"), {}, "--forward-signals: SIGKILL cannot be caught"),
+    (("--hang-report-signal", "INT"), {}, "SIGINT stops the job; it cannot ask for the hang report"),
+    ((), {"TORCHMP_FORWARD_SIGNALS": "USR1;USR2"}, "$TORCHMP_FORWARD_SIGNALS: unknown signal 'USR1;USR2'"),
+    ((), {"TORCHMP_HANG_REPORT_SIGNAL": "RTMIN+999"}, "$TORCHMP_HANG_REPORT_SIGNAL: unknown signal 'RTMIN+999'"),
+])
+def test_bad_signal_settings_are_usage_errors(run, tmp_path, options, env, message):
+    la = run(*options, env=env)
+    assert la.finish() == 2
+    assert any(message in line for line in la.err), la.err
+    assert not (tmp_path / "logs").exists()
+    assert not la.out
