@@ -156,8 +156,10 @@ def format_summary(
     elapsed: float,
     terminated: Collection[int] = (),
     bindings: dict[int, str] | None = None,
+    why: str = "",
 ) -> str:
-    """The end-of-run table, one row per local rank (``?`` where unknown).
+    """The end-of-run table, one row per local rank (``?`` where unknown);
+    ``why`` the run ended that way, after the exit code (``time limit``).
 
     A rank succeeded if it exited 0 on its own: one in ``terminated`` (stopped by
     the fail-fast or by the signal torchmp run got) did not, whatever its exit
@@ -196,5 +198,5 @@ def format_summary(
                     if local not in terminated and resources.get(local) is not None
                     and resources[local].exitcode == 0)
     title = (f"torchmp: summary of {plan_name}: {succeeded}/{nproc} ranks succeeded, "
-             f"exit code {exit_code}, {elapsed:.2f}s")
+             f"exit code {exit_code}{f' ({why})' if why else ''}, {elapsed:.2f}s")
     return "\n".join([title, line(header), *(line(r) for r in rows)]) + "\n"

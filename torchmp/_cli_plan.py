@@ -22,6 +22,7 @@ from torchmp._signals import (
     REPORT_SIGNAL_VAR,
     check_launcher_signals,
     parse_optional_signal,
+    parse_signal,
     parse_signal_list,
 )
 from torchmp._placement import (
@@ -159,6 +160,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--hang-report-signal", default=None, metavar="SIG",
                    help="the signal that asks torchmp run for a hang report, or 'none' "
                         f"(default: USR2, or ${REPORT_SIGNAL_VAR})")
+    p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                   help="stop the job SECONDS after the launch: a hang report first, then the "
+                        "normal shutdown (SIGTERM, --shutdown-timeout, SIGKILL); exit status 124")
+    p.add_argument("--signal", dest="warn_signal", default=None, metavar="SIG[@SECONDS]",
+                   help="srun's spelling: send SIG to every running rank's process group SECONDS "
+                        "(default 60) before --time-limit, so that training can checkpoint")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="when torchmp run gets a signal, how long the workers get to exit "
                         "after it is passed on to them, before SIGKILL (default: 30; the "
@@ -372,6 +379,28 @@ def where_ranks_run(ctx: Any) -> dict[int, str]:
 
 _T = TypeVar("_T")
 
+#: srun's --signal default: this many seconds before the time limit.
+DEFAULT_WARN_SECONDS = 60.0
+
+
+def _parse_warn_signal(text: str, time_limit: float | None) -> tuple[int, float]:
+    """``USR1@90`` (or ``USR1``: 60 s) -> (signal, seconds before the limit)."""
+    name, at, when = text.partition("@")
+    try:
+        sig = parse_signal(name)
+    except ValueError as e:
+        raise _UsageError(f"--signal: {e}") from None
+    try:
+        seconds = float(when) if at else DEFAULT_WARN_SECONDS
+    except ValueError:
+        raise _UsageError(f"--signal: {when!r} is not a number of seconds (SIG@SECONDS)") from None
+    if time_limit is None:
+        raise _UsageError("--signal needs --time-limit (it is sent SECONDS before it)")
+    if not 0 <= seconds < time_limit:
+        raise _UsageError(f"--signal: {seconds:g}s before the time limit must be in 0..{time_limit:g}s "
+                          "(--time-limit)")
+    return sig, seconds
+
 
 def _signal_setting(given: str | None, var: str, default: str, option: str, parse: Callable[[str], _T]) -> _T:
     """A signal setting from its option, else its environment variable, else
@@ -467,6 +496,11 @@ class _Plan:
             self.forward_signals = check_launcher_signals(forward, self.report_signal)
         except ValueError as e:
             raise _UsageError(f"--forward-signals/--hang-report-signal: {e}") from None
+        if args.time_limit is not None and not 0 < args.time_limit < float("inf"):
+            raise _UsageError(f"--time-limit must be > 0 seconds, got {args.time_limit}")
+        self.time_limit: float | None = args.time_limit
+        #: --signal: (signal, seconds before the time limit), or None.
+        self.warn_signal = None if args.warn_signal is None else _parse_warn_signal(args.warn_signal, self.time_limit)
         try:
             self.console_backlog: int = _console.backlog_bound(args.console_backlog)
         except (TypeError, ValueError) as e:

@@ -24,6 +24,7 @@ a rank failed                       the root-cause rank's exit code, or
                                     128 + N if signal N killed it
 ``torchmp run`` got signal N        128 + N (after terminating the workers)
                                     unless it forwards N (see below)
+``--time-limit`` reached            124 (a hang report, then the shutdown)
 bad usage (nothing started)         2
 the log directory cannot be made    1 (nothing started)
 the command cannot be found         127 (126: found but not executable)
@@ -59,6 +60,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -105,6 +107,9 @@ __all__ = ["build_parser", "main"]
 HANDLED_SIGNALS = DEFAULT_HANDLED_SIGNALS
 
 logger = logging.getLogger("torchmp.cli")
+
+#: ``--time-limit`` reached: ``timeout(1)``'s and mpirun's status.
+TIME_LIMIT_EXIT = 124
 
 
 # ---------------------------------------------------------------------------
@@ -179,6 +184,10 @@ class _Run:
         self.reports = _hang.ReportThread(plan.report_signal, self._reports_due,
                                           plan.forward_signals, self._forward)
         self._py_spy_hint = True
+        # One report at a time: the report thread's and the time limit's.
+        self._report_lock = threading.Lock()
+        #: Whether --time-limit stopped the job.
+        self.timed_out = False
         #: Where each local rank runs, for --report-bindings (else empty).
         self.bindings: dict[int, str] = {}
 
@@ -240,16 +249,19 @@ class _Run:
 
     def _forward(self, sig: int) -> None:
         """On the report thread: pass sig on to every running rank's group."""
+        self._send(sig, f"got {signal_name(sig)}", "passed it on")
+
+    def _send(self, sig: int, why: str, done: str) -> None:
+        """sig to every running rank's group, saying so (``why: done to rank 0, 1``)."""
         try:
             ranks = self.ctx.send_signal(sig)
         except OSError as e:
-            _say(f"got {signal_name(sig)}: could not pass it on: {e.strerror or e}")
+            _say(f"{why}: could not send {signal_name(sig)}: {e.strerror or e}")
             return
         if ranks:
-            _say(f"got {signal_name(sig)}: passed it on to rank "
-                 + ", ".join(str(self.plan.global_rank(r)) for r in ranks))
+            _say(f"{why}: {done} to rank " + ", ".join(str(self.plan.global_rank(r)) for r in ranks))
         else:
-            _say(f"got {signal_name(sig)}: no rank left to pass it on to")
+            _say(f"{why}: no rank left to send {signal_name(sig)} to")
 
     def start_reports(self) -> None:
         """Make reports from now on (once the context exists)."""
@@ -282,6 +294,10 @@ class _Run:
     def hang_report(self, reason: str) -> None:
         """Print where each rank is (and, with py-spy, its Python stack) to
         stderr and save it in the run's directory; nothing is stopped."""
+        with self._report_lock:
+            self._hang_report(reason)
+
+    def _hang_report(self, reason: str) -> None:
         plan, ctx = self.plan, self.ctx
         try:
             pids = dict(ctx.pids())
@@ -321,12 +337,32 @@ class _Run:
         return "".join(parts)
 
     def wait(self) -> None:
-        """The context's wait (the report thread makes the hang reports)."""
+        """The context's wait (the report thread makes the hang reports),
+        the --signal warning and the --time-limit."""
         self.start_reports()
+        plan = self.plan
+        deadline = None if plan.time_limit is None else self.started + plan.time_limit
+        warn_at = None if plan.warn_signal is None or deadline is None else deadline - plan.warn_signal[1]
         result = None
         while result is None:
-            result = self.ctx.wait()
+            now = time.monotonic()
+            if warn_at is not None and now >= warn_at and plan.warn_signal is not None:
+                sig, before = plan.warn_signal
+                self._send(sig, f"{before:g}s before the time limit", f"sent {signal_name(sig)}")
+                warn_at = None
+            if deadline is not None and now >= deadline:
+                self.stop_at_time_limit()
+                return
+            due = [t for t in (warn_at, deadline) if t is not None]
+            result = self.ctx.wait(max(0.0, min(due) - now) if due else -1)
         self.result = result
+
+    def stop_at_time_limit(self) -> None:
+        """Where each rank is (the hang report), then the normal shutdown."""
+        self.timed_out = True
+        self._try_report(f"time limit of {self.plan.time_limit:g}s")
+        close_despite_interrupts(self.ctx, signal.SIGTERM, self.plan.shutdown_timeout)
+        self.result = self.ctx.wait(0)
 
     def shut_down(self, e: SignalException) -> None:
         """Terminate the workers (with the signal itself if it is one of
@@ -342,6 +378,8 @@ class _Run:
     def exit_code(self) -> int:
         if self.signal is not None:
             return 128 + int(self.signal)
+        if self.timed_out:
+            return TIME_LIMIT_EXIT
         if self.result is None or not self.result.failures:
             return 0
         _, first = self._child_failed_error().get_first_failure()
@@ -370,7 +408,7 @@ class _Run:
         if self.result is None:
             return notes
         root = None
-        if self.result.failures and self.signal is None:
+        if self.result.failures and self.signal is None and not self.timed_out:
             root = self._child_failed_error().get_first_failure()[1].local_rank
         terminated = self.terminated()
         for local in range(self.plan.nproc):
@@ -391,13 +429,16 @@ class _Run:
         elapsed = time.monotonic() - self.started
         if self.signal is not None:
             _say(f"got {signal_name(self.signal)}: terminated the workers")
+        elif self.timed_out:
+            _say(f"time limit of {self.plan.time_limit:g}s reached: terminated the workers")
         elif self.result is not None and self.result.failures:
             _show(self._child_failed_error().format_msg() + "\n")
         if self.plan.summary:
             summary = format_summary(
                 self.plan.name, self.plan.nproc, self.plan.global_rank, self.result,
                 self.notes(), self.exit_code(), elapsed,
-                self.terminated(), self.bindings or None)
+                self.terminated(), self.bindings or None,
+                why="time limit" if self.timed_out and self.signal is None else "")
             for fd, err in sorted(_console.check_failures().items()):
                 summary += (f"torchmp: the console ({'stdout' if fd == 1 else 'stderr'}) could not be written "
                             f"({os.strerror(err)}) and was off from then on; the log files are complete\n")
