@@ -166,6 +166,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--signal", dest="warn_signal", default=None, metavar="SIG[@SECONDS]",
                    help="srun's spelling: send SIG to every running rank's process group SECONDS "
                         "(default 60) before --time-limit, so that training can checkpoint")
+    p.add_argument("--wait", dest="wait_after_exit", type=float, default=None, metavar="SECONDS",
+                   help="srun's --wait: once the first rank has exited successfully, give the "
+                        "others SECONDS to finish, then stop them (default: wait for them all)")
+    p.add_argument("--kill-on-bad-exit", type=int, default=1, choices=(0, 1), metavar="{0,1}",
+                   help="srun's name: 1 (default) a failing rank stops the others (fail-fast); "
+                        "0 every rank runs to its end and the report lists every failure")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="when torchmp run gets a signal, how long the workers get to exit "
                         "after it is passed on to them, before SIGKILL (default: 30; the "
@@ -499,6 +505,10 @@ class _Plan:
         if args.time_limit is not None and not 0 < args.time_limit < float("inf"):
             raise _UsageError(f"--time-limit must be > 0 seconds, got {args.time_limit}")
         self.time_limit: float | None = args.time_limit
+        if args.wait_after_exit is not None and not 0 <= args.wait_after_exit < float("inf"):
+            raise _UsageError(f"--wait must be >= 0 seconds, got {args.wait_after_exit}")
+        self.wait_after_exit: float | None = args.wait_after_exit
+        self.kill_on_bad_exit: bool = bool(args.kill_on_bad_exit)
         #: --signal: (signal, seconds before the time limit), or None.
         self.warn_signal = None if args.warn_signal is None else _parse_warn_signal(args.warn_signal, self.time_limit)
         try:

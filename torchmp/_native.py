@@ -50,6 +50,9 @@ class _NativeContext(PContext):
     # How long siblings get after SIGTERM when a rank fails, before SIGKILL
     # (torch's fixed 30 s by default).
     fail_fast_timeout: float = 30
+    # torchmp extension (start_processes' kill_on_bad_exit): False lets every
+    # rank run to its end whatever the others did.
+    kill_on_bad_exit: bool = True
     # torchmp extension: how many of its last stderr lines a failed rank's
     # report carries (0: none; see stderr_tail_bound).
     stderr_tail: int = DEFAULT_STDERR_TAIL_LINES
@@ -293,7 +296,8 @@ class _NativeContext(PContext):
 
     def _decided(self, ranks: list[_core.ProcInfo]) -> bool:
         exited = [info for info in ranks if info.state == _core.PROC_EXITED]
-        return len(exited) == self.nprocs or any(_exitcode(info.wait_status) != 0 for info in exited)
+        return len(exited) == self.nprocs or (
+            self.kill_on_bad_exit and any(_exitcode(info.wait_status) != 0 for info in exited))
 
     def _poll(self) -> RunProcsResult | None:
         if self._result is not None:

@@ -179,6 +179,7 @@ def start_processes(
     watch_stderr: bool | None = None,
     cpu_affinity: dict[int, Any] | None = None,
     mem_bind: str | None = None,
+    kill_on_bad_exit: bool = True,
 ) -> PContext: ...
 
 
@@ -199,6 +200,7 @@ def start_processes(
     watch_stderr: bool | None = None,
     cpu_affinity: dict[int, Any] | None = None,
     mem_bind: str | None = None,
+    kill_on_bad_exit: bool = True,
 ) -> PContext: ...
 
 
@@ -241,7 +243,11 @@ def start_processes(  # type: ignore[misc]  # one body for both overloads: its 5
     (``stderr_tail``, and the message when there is no error file);
     ``watch_stderr=True`` routes a stderr that is neither teed nor redirected
     through torchmp too, unchanged on the console, so its tail is kept (the
-    worker then writes to a pipe, not a terminal).
+    worker then writes to a pipe, not a terminal);
+    ``kill_on_bad_exit=False`` (srun's ``--kill-on-bad-exit=0``) lets a
+    failing rank leave the others running: the result comes once every
+    rank has exited, with every failure in it (the root cause is still the
+    first by time); the default ``True`` is torch's fail-fast.
 
     Placement: ``numa_options`` (torch's ``NumaOptions``, or
     :class:`torchmp.numa.NumaOptions` without torch) binds local rank ``r``
@@ -261,6 +267,9 @@ def start_processes(  # type: ignore[misc]  # one body for both overloads: its 5
     console_backlog = kwargs.pop("console_backlog", None)
     stderr_tail = kwargs.pop("stderr_tail", None)
     watch_stderr = _watch_stderr_setting(kwargs.pop("watch_stderr", None))
+    kill_on_bad_exit = kwargs.pop("kill_on_bad_exit", True)
+    if not isinstance(kill_on_bad_exit, bool):
+        raise TypeError(f"kill_on_bad_exit must be True or False, got {kill_on_bad_exit!r}")
     # Checked before anything starts (the env vars too).
     backlog = _console.backlog_bound(console_backlog)
     tail_lines = stderr_tail_bound(stderr_tail)
@@ -336,6 +345,7 @@ def start_processes(  # type: ignore[misc]  # one body for both overloads: its 5
         context.console_backlog = backlog
     context.stderr_tail = tail_lines
     context.watch_stderr = watch_stderr
+    context.kill_on_bad_exit = kill_on_bad_exit
     try:
         context.start()
     except BaseException as e:

@@ -186,8 +186,9 @@ class _Run:
         self._py_spy_hint = True
         # One report at a time: the report thread's and the time limit's.
         self._report_lock = threading.Lock()
-        #: Whether --time-limit stopped the job.
+        #: Whether --time-limit stopped the job, or --wait the last ranks.
         self.timed_out = False
+        self.waited_out = False
         #: Where each local rank runs, for --report-bindings (else empty).
         self.bindings: dict[int, str] = {}
 
@@ -205,7 +206,8 @@ class _Run:
         except OSError as e:  # it makes --log-dir and its parents
             raise _SetupError(
                 _describe_mkdir_error(e, log_dir or tempfile.gettempdir())) from e
-        extra: dict[str, Any] = {"console_backlog": plan.console_backlog, "stderr_tail": plan.stderr_tail}
+        extra: dict[str, Any] = {"console_backlog": plan.console_backlog, "stderr_tail": plan.stderr_tail,
+                                 "kill_on_bad_exit": plan.kill_on_bad_exit}
         if plan.timestamps:
             extra["log_line_timestamps"] = True
         if plan.cpu_affinity is not None:
@@ -343,6 +345,10 @@ class _Run:
         plan = self.plan
         deadline = None if plan.time_limit is None else self.started + plan.time_limit
         warn_at = None if plan.warn_signal is None or deadline is None else deadline - plan.warn_signal[1]
+        # --wait: when the first rank exited 0 (None: not yet), and the
+        # rest's deadline.
+        first_exit: float | None = None
+        stop_rest_at: float | None = None
         result = None
         while result is None:
             now = time.monotonic()
@@ -353,9 +359,36 @@ class _Run:
             if deadline is not None and now >= deadline:
                 self.stop_at_time_limit()
                 return
-            due = [t for t in (warn_at, deadline) if t is not None]
-            result = self.ctx.wait(max(0.0, min(due) - now) if due else -1)
+            if plan.wait_after_exit is not None and first_exit is None and self._succeeded():
+                first_exit = now
+                stop_rest_at = now + plan.wait_after_exit
+            if stop_rest_at is not None and now >= stop_rest_at:
+                self.stop_the_rest()
+                return
+            due = [t for t in (warn_at, deadline, stop_rest_at) if t is not None]
+            timeout = max(0.0, min(due) - now) if due else -1.0
+            if plan.wait_after_exit is not None and first_exit is None:
+                # Woken by every exit, not only the deciding one.
+                self.ctx._wait_for(lambda ranks: self._succeeded(ranks) or self.ctx._decided(ranks),
+                                   None if timeout < 0 else timeout)
+                result = self.ctx.wait(0)
+            else:
+                result = self.ctx.wait(timeout)
         self.result = result
+
+    def _succeeded(self, ranks: Any = None) -> list[int]:
+        """The local ranks that exited 0 (by themselves: the run goes on)."""
+        if ranks is None:
+            ranks = self.ctx._snapshot()[1]
+        return [r for r, info in enumerate(ranks) if info.state == _core.PROC_EXITED and info.wait_status == 0]
+
+    def stop_the_rest(self) -> None:
+        """--wait is over: the normal shutdown for the ranks still running."""
+        self.waited_out = True
+        _say(f"--wait {self.plan.wait_after_exit:g}s after the first rank's exit is over: "
+             "stopping the ranks still running")
+        close_despite_interrupts(self.ctx, signal.SIGTERM, self.plan.shutdown_timeout)
+        self.result = self.ctx.wait(0)
 
     def stop_at_time_limit(self) -> None:
         """Where each rank is (the hang report), then the normal shutdown."""
@@ -411,6 +444,8 @@ class _Run:
         if self.result.failures and self.signal is None and not self.timed_out:
             root = self._child_failed_error().get_first_failure()[1].local_rank
         terminated = self.terminated()
+        if self.waited_out and root in terminated:
+            root = None  # the ranks --wait stopped caused nothing
         for local in range(self.plan.nproc):
             if local == root:
                 notes[local] = "root cause"
@@ -431,18 +466,25 @@ class _Run:
             _say(f"got {signal_name(self.signal)}: terminated the workers")
         elif self.timed_out:
             _say(f"time limit of {self.plan.time_limit:g}s reached: terminated the workers")
-        elif self.result is not None and self.result.failures:
+        elif self.result is not None and self.result.failures and not (
+                self.waited_out and set(self.result.failures) <= self.terminated()):
             _show(self._child_failed_error().format_msg() + "\n")
         if self.plan.summary:
             summary = format_summary(
                 self.plan.name, self.plan.nproc, self.plan.global_rank, self.result,
                 self.notes(), self.exit_code(), elapsed,
                 self.terminated(), self.bindings or None,
-                why="time limit" if self.timed_out and self.signal is None else "")
+                why=self._why())
             for fd, err in sorted(_console.check_failures().items()):
                 summary += (f"torchmp: the console ({'stdout' if fd == 1 else 'stderr'}) could not be written "
                             f"({os.strerror(err)}) and was off from then on; the log files are complete\n")
             _show(summary)
+
+    def _why(self) -> str:
+        """What ended the run, for the summary's title ("" for the ranks)."""
+        if self.signal is not None:
+            return ""
+        return "time limit" if self.timed_out else "--wait" if self.waited_out else ""
 
 
 def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:

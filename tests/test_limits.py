@@ -1,4 +1,4 @@
-"""``torchmp run``'s time limit and exit policies.
+"""Time limits and exit policies: ``torchmp run`` and the library.
 
 * ``--time-limit SECONDS``: at the limit a hang report is written first (on
   stderr and in the run's directory), then the normal shutdown (SIGTERM,
@@ -6,6 +6,11 @@
   "time limit".
 * ``--signal SIG@SECONDS``: SIG to every running rank's process group that
   many seconds before the limit (srun's spelling), so a rank can checkpoint.
+* ``--wait SECONDS``: once a rank exited 0, the others get that long, then
+  the normal shutdown.
+* ``--kill-on-bad-exit 0`` (``start_processes(kill_on_bad_exit=False)``): a
+  failing rank leaves the others running; every failure is reported, the
+  first by time as the root cause.
 
 Real ranks (Python scripts that trap signals and print what they got, and
 sleeping shells); launchers in sessions of their own, cleaned up by tag and
@@ -14,6 +19,7 @@ process group (helpers.Launchers).
 from __future__ import annotations
 
 import re
+import signal
 import sys
 import textwrap
 import time
@@ -21,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import Launcher, Launchers, wait_no_tagged
+from helpers import Launcher, Launchers, launch, wait_no_tagged
 
 UNSET = ("TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCHMP_FORWARD_SIGNALS", "TORCHMP_HANG_REPORT_SIGNAL")
 
@@ -49,16 +55,16 @@ def run(tmp_path):
     tmp_path, its output followed; stopped at the end of the test."""
     (tmp_path / "rank.py").write_text(RANK)
     with Launchers(follow=True) as launchers:
-        def start(*options: str, mode: str = "stay") -> Launcher:
+        def start(*options: str, mode: str = "stay", command: tuple[str, ...] = (), n: int = 2) -> Launcher:
             return launchers.start(
-                [sys.executable, "-m", "torchmp", "run", "-n", "2", "--log-dir", str(tmp_path / "logs"),
-                 *options, "--", sys.executable, "rank.py", mode],
+                [sys.executable, "-m", "torchmp", "run", "-n", str(n), "--log-dir", str(tmp_path / "logs"),
+                 *options, "--", *(command or (sys.executable, "rank.py", mode))],
                 cwd=tmp_path, unset=UNSET, env={"PATH": "/usr/bin:/bin"})  # no py-spy: quick reports
         yield start
 
 
 def logs(tmp_path: Path, rank: int) -> str:
-    [path] = (tmp_path / "logs").glob(f"rank_*/attempt_0/{rank}/stdout.log")
+    [path] = (tmp_path / "logs").glob(f"*/attempt_0/{rank}/stdout.log")
     return path.read_text()
 
 
@@ -134,3 +140,97 @@ def test_bad_limits_are_usage_errors(run, tmp_path, options, message):
     assert la.finish() == 2
     assert any(message in line for line in la.err), la.err
     assert not (tmp_path / "logs").exists()
+
+
+# ---------------------------------------------------------------------------
+# --wait and --kill-on-bad-exit
+
+# Rank r of "sh -c RANKS_SH sh SPEC...": sleeps, then exits, as its word of
+# SPEC says ("0.2:0" sleep 0.2 s then exit 0; "hang": sleep 60).
+RANKS_SH = ('eval "w=\\${$((LOCAL_RANK + 1))}"; '
+            'if [ "$w" = hang ]; then exec sleep 60; fi; '
+            'sleep "${w%:*}"; echo "rank $LOCAL_RANK done"; exit "${w#*:}"')
+
+
+def sh_ranks(*spec: str) -> tuple[str, ...]:
+    return ("/bin/sh", "-c", RANKS_SH, "sh", *spec)
+
+
+def test_wait_gives_the_rest_that_long_then_stops_them(run, tmp_path):
+    started = time.monotonic()
+    la = run("--wait", "1.5", "--shutdown-timeout", "20", command=sh_ranks("0:0", "hang", "hang"), n=3)
+    assert la.finish(60) == 128 + 15  # the stopped ranks' SIGTERM
+    elapsed = time.monotonic() - started
+    assert 1.5 <= elapsed < 30
+    err = la.err
+    stop = index(err, r"^torchmp: --wait 1\.5s after the first rank's exit is over: stopping the ranks still running$")
+    assert stop < min(i for i, line in enumerate(err) if "closing signal SIGTERM" in line)
+    assert sum("closing signal SIGTERM" in line for line in err) == 2
+    title = next(line for line in err if line.startswith("torchmp: summary of sh: "))
+    assert title.startswith("torchmp: summary of sh: 1/3 ranks succeeded, exit code 143 (--wait), ")
+    assert not any("FAILED" in line or "root cause" in line for line in err)
+    assert logs(tmp_path, 0) == "rank 0 done\n"
+    assert wait_no_tagged(la.tag) == []
+
+
+def test_wait_is_not_needed_when_the_rest_finish_in_time(run, tmp_path):
+    started = time.monotonic()
+    la = run("--wait", "30", command=sh_ranks("0:0", "0.5:0"))
+    assert la.finish(60) == 0
+    assert time.monotonic() - started < 25
+    assert not any("--wait" in line for line in la.err)
+
+
+def test_wait_starts_only_with_a_successful_exit(run, tmp_path):
+    # A failure is still fail-fast (the default --kill-on-bad-exit 1).
+    la = run("--wait", "30", "--shutdown-timeout", "20", command=sh_ranks("0:3", "hang"))
+    assert la.finish(60) == 3
+    assert not any("--wait" in line for line in la.err)
+    assert wait_no_tagged(la.tag) == []
+
+
+def test_kill_on_bad_exit_0_lets_every_rank_finish(run, tmp_path):
+    la = run("--kill-on-bad-exit", "0", command=sh_ranks("0:3", "0.6:5", "1.2:0"), n=3)
+    assert la.finish(60) == 3  # the first failure by time is the root cause
+    err = la.err
+    assert not any("closing signal" in line for line in err)
+    for rank in range(3):
+        assert logs(tmp_path, rank) == f"rank {rank} done\n"
+    failures = err.index("Failures:")
+    root = err.index("Root Cause (first observed failure):")
+    assert any("rank      : 1 (local_rank: 1)" in line for line in err[failures:root])
+    assert any("rank      : 0 (local_rank: 0)" in line for line in err[root:])
+    assert any("exitcode  : 5 " in line for line in err[failures:root])
+    title = next(line for line in err if line.startswith("torchmp: summary of sh: "))
+    assert title.startswith("torchmp: summary of sh: 1/3 ranks succeeded, exit code 3, ")
+    assert not any("terminated by torchmp" in line for line in err)
+
+
+def test_bad_exit_policy_options(run, tmp_path):
+    for options, message in ((("--kill-on-bad-exit", "2"), "--kill-on-bad-exit: invalid choice: 2"),
+                             (("--wait", "-1"), "--wait must be >= 0 seconds, got -1.0")):
+        la = run(*options)
+        assert la.finish() == 2
+        assert any(message in line for line in la.err), la.err
+        assert not (tmp_path / "logs").exists()
+
+
+def test_library_kill_on_bad_exit_false(tmp_path):
+    ctx = launch("/bin/sh", {0: ("-c", "exit 3"), 1: ("-c", "sleep 0.6; echo done; exit 0"),
+                             2: ("-c", "sleep 0.3; exit 4")},
+                 log_dir=tmp_path / "logs", kill_on_bad_exit=False)
+    try:
+        result = ctx.wait(30)
+        assert result is not None
+        assert sorted(result.failures) == [0, 2]
+        assert result.failures[0].exitcode == 3 and result.failures[2].exitcode == 4
+        assert not any(f.terminated_by_launcher for f in result.failures.values())
+        assert result.resources[1].exitcode == 0 and result.resources[1].wall_time >= 0.6
+    finally:
+        ctx.close(signal.SIGKILL, 0)
+
+
+def test_library_kill_on_bad_exit_checked_before_anything_starts(tmp_path):
+    with pytest.raises(TypeError, match="kill_on_bad_exit must be True or False, got 0"):
+        launch("/bin/sh", {0: ("-c", "exit 0")}, log_dir=tmp_path / "logs", kill_on_bad_exit=0)
+    assert list((tmp_path / "logs").iterdir()) == []  # (DefaultLogsSpecs made it) no run directory
