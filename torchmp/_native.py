@@ -50,9 +50,7 @@ class _NativeContext(PContext):
     # How long siblings get after SIGTERM when a rank fails, before SIGKILL
     # (torch's fixed 30 s by default).
     fail_fast_timeout: float = 30
-    # torchmp extension (start_processes' kill_on_bad_exit): False lets every
-    # rank run to its end whatever the others did.
-    kill_on_bad_exit: bool = True
+    kill_on_bad_exit: bool = True  # torchmp extension: False, every rank runs to its end
     # torchmp extension: how many of its last stderr lines a failed rank's
     # report carries (0: none; see stderr_tail_bound).
     stderr_tail: int = DEFAULT_STDERR_TAIL_LINES
@@ -484,11 +482,10 @@ class _NativeContext(PContext):
             nap = min(nap * 2, self._GROUP_POLL_MAX)
 
     def _send_signal(self, sig: int, ranks: list[int] | None) -> list[int]:
-        group = self._group
-        try:
-            return [] if group is None or self._closed else group.send_signal(sig, ranks)
+        try:  # (ValueError: released by a close() in another thread meanwhile)
+            return [] if self._group is None or self._closed else self._group.send_signal(sig, ranks)
         except ValueError:
-            return []  # released by a close() in another thread meanwhile
+            return []
 
     def _close(self, death_sig: signal.Signals, timeout: float = 30) -> None:
         with self._close_lock:
