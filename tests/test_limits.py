@@ -8,6 +8,9 @@
   many seconds before the limit (srun's spelling), so a rank can checkpoint.
 * ``--wait SECONDS``: once a rank exited 0, the others get that long, then
   the normal shutdown.
+* ``--max-restarts N``: a failed attempt is reported and the whole group
+  started again, each attempt in its own ``attempt_K`` with
+  ``TORCHELASTIC_RESTART_COUNT=K``; the exit status is the last attempt's.
 * ``--kill-on-bad-exit 0`` (``start_processes(kill_on_bad_exit=False)``): a
   failing rank leaves the others running; every failure is reported, the
   first by time as the root cause.
@@ -208,7 +211,8 @@ def test_kill_on_bad_exit_0_lets_every_rank_finish(run, tmp_path):
 
 def test_bad_exit_policy_options(run, tmp_path):
     for options, message in ((("--kill-on-bad-exit", "2"), "--kill-on-bad-exit: invalid choice: 2"),
-                             (("--wait", "-1"), "--wait must be >= 0 seconds, got -1.0")):
+                             (("--wait", "-1"), "--wait must be >= 0 seconds, got -1.0"),
+                             (("--max-restarts", "-1"), "--max-restarts must be >= 0, got -1")):
         la = run(*options)
         assert la.finish() == 2
         assert any(message in line for line in la.err), la.err
@@ -234,3 +238,57 @@ def test_library_kill_on_bad_exit_checked_before_anything_starts(tmp_path):
     with pytest.raises(TypeError, match="kill_on_bad_exit must be True or False, got 0"):
         launch("/bin/sh", {0: ("-c", "exit 0")}, log_dir=tmp_path / "logs", kill_on_bad_exit=0)
     assert list((tmp_path / "logs").iterdir()) == []  # (DefaultLogsSpecs made it) no run directory
+
+
+# ---------------------------------------------------------------------------
+# --max-restarts
+
+FAIL_ONCE = (
+    'echo "rank $RANK attempt $TORCHELASTIC_RESTART_COUNT of $TORCHELASTIC_MAX_RESTARTS"; '
+    'if [ "$RANK" = 1 ] && [ "$TORCHELASTIC_RESTART_COUNT" -lt "$0" ]; then exit 3; fi; '
+    'sleep 0.3')
+
+
+def attempts(tmp_path: Path) -> list[str]:
+    return sorted(p.name for p in (tmp_path / "logs").glob("*/attempt_*"))
+
+
+def attempt_log(tmp_path: Path, attempt: int, rank: int) -> str:
+    [path] = (tmp_path / "logs").glob(f"*/attempt_{attempt}/{rank}/stdout.log")
+    return path.read_text()
+
+
+def test_a_rank_that_fails_once_then_succeeds(run, tmp_path):
+    la = run("--max-restarts", "2", command=("/bin/sh", "-c", FAIL_ONCE, "1"))
+    assert la.finish(60) == 0
+    assert attempts(tmp_path) == ["attempt_0", "attempt_1"]
+    for rank in (0, 1):
+        assert attempt_log(tmp_path, 0, rank) == f"rank {rank} attempt 0 of 2\n"
+        assert attempt_log(tmp_path, 1, rank) == f"rank {rank} attempt 1 of 2\n"
+    err = la.err
+    first = index(err, r"^torchmp: summary of sh, attempt 0: 0/2 ranks succeeded, exit code 3, ")
+    assert index(err, r"^sh FAILED$") < first < index(err, r"^torchmp: restarting sh \(restart 1 of 2\)$")
+    assert index(err, r"^torchmp: restarting sh") < index(err, r"^torchmp: log directory: .*/attempt_1$")
+    assert err[-4].startswith("torchmp: summary of sh, attempt 1: 2/2 ranks succeeded, exit code 0, ")
+    assert sum(line == "sh FAILED" for line in err) == 1
+    assert wait_no_tagged(la.tag) == []
+
+
+def test_restarts_run_out(run, tmp_path):
+    la = run("--max-restarts", "2", command=("/bin/sh", "-c", FAIL_ONCE, "99"))
+    assert la.finish(60) == 3  # the last attempt's
+    assert attempts(tmp_path) == ["attempt_0", "attempt_1", "attempt_2"]
+    assert sum(line == "sh FAILED" for line in la.err) == 3  # one report per failed attempt
+    assert [line for line in la.err if line.startswith("torchmp: restarting")] == [
+        "torchmp: restarting sh (restart 1 of 2)", "torchmp: restarting sh (restart 2 of 2)"]
+    assert attempt_log(tmp_path, 2, 1) == "rank 1 attempt 2 of 2\n"
+
+
+def test_no_restart_after_a_signal(run, tmp_path):
+    la = run("--max-restarts", "3", command=("/bin/sh", "-c", "echo ready; exec sleep 60"))
+    la.wait_for(lambda: sum(line.endswith("]:ready") for line in la.out) == 2, 30, "2 ready lines")
+    la.proc.send_signal(signal.SIGTERM)
+    assert la.finish(60) == 128 + signal.SIGTERM
+    assert attempts(tmp_path) == ["attempt_0"]
+    assert not any("restarting" in line for line in la.err)
+    assert wait_no_tagged(la.tag) == []

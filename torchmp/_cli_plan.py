@@ -172,6 +172,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--kill-on-bad-exit", type=int, default=1, choices=(0, 1), metavar="{0,1}",
                    help="srun's name: 1 (default) a failing rank stops the others (fail-fast); "
                         "0 every rank runs to its end and the report lists every failure")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="torchrun's name: when a rank fails, stop the others and start the whole "
+                        "group again, up to N times (each attempt in its own attempt_K directory, "
+                        "with TORCHELASTIC_RESTART_COUNT=K); default 0")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="when torchmp run gets a signal, how long the workers get to exit "
                         "after it is passed on to them, before SIGKILL (default: 30; the "
@@ -509,6 +513,9 @@ class _Plan:
             raise _UsageError(f"--wait must be >= 0 seconds, got {args.wait_after_exit}")
         self.wait_after_exit: float | None = args.wait_after_exit
         self.kill_on_bad_exit: bool = bool(args.kill_on_bad_exit)
+        if args.max_restarts < 0:
+            raise _UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+        self.max_restarts: int = args.max_restarts
         #: --signal: (signal, seconds before the time limit), or None.
         self.warn_signal = None if args.warn_signal is None else _parse_warn_signal(args.warn_signal, self.time_limit)
         try:
@@ -534,7 +541,7 @@ class _Plan:
     def global_rank(self, local_rank: int) -> int:
         return self.node_rank * self.nproc + local_rank
 
-    def envs(self, master_port: int) -> dict[int, dict[str, str]]:
+    def envs(self, master_port: int, restart_count: int = 0) -> dict[int, dict[str, str]]:
         world = self.nnodes * self.nproc
         envs = {}
         for local in range(self.nproc):
@@ -552,8 +559,8 @@ class _Plan:
                 "MASTER_ADDR": self.master_addr,
                 "MASTER_PORT": str(master_port),
                 "TORCHELASTIC_RUN_ID": self.name,
-                "TORCHELASTIC_RESTART_COUNT": "0",
-                "TORCHELASTIC_MAX_RESTARTS": "0",
+                "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+                "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
             }
             # Set by the user (even empty: off) in torchmp run's environment,
             # which the ranks inherit, or with --env: theirs.
@@ -577,7 +584,7 @@ class _Plan:
 class _AnnouncingLogsSpecs(DefaultLogsSpecs):
     """torchrun's layout; says where the run's files are before any rank starts."""
 
-    #: The run's directory ({log_dir}/{name}_<random>/attempt_0), None for none.
+    #: The attempt's directory ({log_dir}/{name}_<random>/attempt_K), None for none.
     run_dir: str | None = None
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:

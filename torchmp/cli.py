@@ -31,7 +31,8 @@ the command cannot be found         127 (126: found but not executable)
 ==================================  ==========================================
 
 Log files are laid out as ``torchrun``'s:
-``{log_dir}/{run_id}_<random>/attempt_0/{local_rank}/{stdout.log,stderr.log,error.json}``.
+``{log_dir}/{run_id}_<random>/attempt_0/{local_rank}/{stdout.log,stderr.log,error.json}``
+(``attempt_K`` for restart K of ``--max-restarts``).
 
 A console that is closed or gone (``| head -1``, a terminal that went away)
 is not an error: it is dropped -- its fd is pointed at ``/dev/null`` -- while
@@ -175,6 +176,10 @@ class _Run:
         #: What _install_handlers caught (blocked while the workers start).
         self.caught: list[int] = list(HANDLED_SIGNALS)
         self.started = time.monotonic()
+        #: The first attempt's start (--time-limit counts from it), and which
+        #: attempt this is (--max-restarts).
+        self.job_started: float | None = None
+        self.attempt = 0
         self.specs: _AnnouncingLogsSpecs | None = None
         self.hang = _hang.HangWatch(plan.hang_report_after, self.started)
         # The reports are made on a thread of their own, woken by the report
@@ -195,12 +200,13 @@ class _Run:
     def launch(self) -> None:
         plan = self.plan
         port = plan.master_port if plan.master_port is not None else _free_port()
-        envs = plan.envs(port)
+        envs = plan.envs(port, self.attempt)
         log_dir = plan.log_dir_arg
         try:
             if log_dir is None:
                 log_dir = tempfile.mkdtemp(prefix="torchmp_")
-            specs = self.specs = _AnnouncingLogsSpecs(
+            # One run directory for every attempt: each has its attempt_K.
+            specs = self.specs = self.specs or _AnnouncingLogsSpecs(
                 log_dir=log_dir, redirects=plan.redirects, tee=plan.tee,
                 local_ranks_filter=plan.ranks_filter)
         except OSError as e:  # it makes --log-dir and its parents
@@ -213,6 +219,8 @@ class _Run:
         if plan.cpu_affinity is not None:
             extra.update(cpu_affinity=plan.cpu_affinity, mem_bind=plan.mem_bind)
         self.started = self.hang.started = time.monotonic()
+        if self.job_started is None:
+            self.job_started = self.started
         # A signal raised inside start_processes would reach the handlers
         # before self.ctx is set: start_processes would then tear the workers
         # down with its own 30 s grace, not --shutdown-timeout.  Held until
@@ -343,7 +351,7 @@ class _Run:
         the --signal warning and the --time-limit."""
         self.start_reports()
         plan = self.plan
-        deadline = None if plan.time_limit is None else self.started + plan.time_limit
+        deadline = None if plan.time_limit is None else (self.job_started or self.started) + plan.time_limit
         warn_at = None if plan.warn_signal is None or deadline is None else deadline - plan.warn_signal[1]
         # --wait: when the first rank exited 0 (None: not yet), and the
         # rest's deadline.
@@ -375,6 +383,20 @@ class _Run:
             else:
                 result = self.ctx.wait(timeout)
         self.result = result
+
+    def restart_due(self) -> bool:
+        """--max-restarts: whether this attempt failed by itself and may be
+        followed by another (not after a signal, the time limit or --wait)."""
+        return (self.attempt < self.plan.max_restarts and self.signal is None and not self.timed_out
+                and not self.waited_out and self.result is not None and bool(self.result.failures))
+
+    def restart(self) -> None:
+        """This attempt's report, then on to the next (launch() starts it)."""
+        self.report()
+        self.attempt += 1
+        _say(f"restarting {self.plan.name} (restart {self.attempt} of {self.plan.max_restarts})")
+        self.result = None
+        self.bindings = {}
 
     def _succeeded(self, ranks: Any = None) -> list[int]:
         """The local ranks that exited 0 (by themselves: the run goes on)."""
@@ -470,8 +492,9 @@ class _Run:
                 self.waited_out and set(self.result.failures) <= self.terminated()):
             _show(self._child_failed_error().format_msg() + "\n")
         if self.plan.summary:
+            name = self.plan.name if not self.plan.max_restarts else f"{self.plan.name}, attempt {self.attempt}"
             summary = format_summary(
-                self.plan.name, self.plan.nproc, self.plan.global_rank, self.result,
+                name, self.plan.nproc, self.plan.global_rank, self.result,
                 self.notes(), self.exit_code(), elapsed,
                 self.terminated(), self.bindings or None,
                 why=self._why())
@@ -537,6 +560,10 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
         try:
             run.launch()
             run.wait()
+            while run.restart_due():
+                run.restart()
+                run.launch()
+                run.wait()
         except SignalException as e:
             run.shut_down(e)
         except _SetupError as e:
