@@ -1,11 +1,40 @@
-# Included by _core.pyx: settings of the launcher process itself -- fault
-# signals that another process sent with kill(), told apart from real faults.
+# Included by _core.pyx: settings of the launcher process itself -- the
+# child subreaper flag, and fault signals that another process sent with
+# kill(), told apart from real faults.
 
 cdef extern from *:
     """
     #include <errno.h>
     #include <signal.h>
     #include <string.h>
+    #if defined(__linux__) && !defined(TORCHMP_PORTABLE)
+    #include <sys/prctl.h>
+    #define TORCHMP_HAVE_SUBREAPER 1
+    #endif
+
+    static int torchmp_subreaper_set(int on)
+    {
+    #ifdef TORCHMP_HAVE_SUBREAPER
+        return prctl(PR_SET_CHILD_SUBREAPER, (unsigned long)(on != 0), 0, 0, 0);
+    #else
+        (void)on;
+        errno = ENOSYS;
+        return -1;
+    #endif
+    }
+
+    static int torchmp_subreaper_get(void)
+    {
+    #ifdef TORCHMP_HAVE_SUBREAPER
+        int on = 0;
+        if (prctl(PR_GET_CHILD_SUBREAPER, (unsigned long)&on, 0, 0, 0) != 0)
+            return -1;
+        return on != 0;
+    #else
+        return 0;
+    #endif
+    }
+
     /* A fault signal (SIGSEGV, SIGBUS, SIGFPE, SIGILL) comes from the kernel
      * when an instruction faults -- returning from a handler runs it again --
      * or from another process's kill(), which is a request like SIGTERM.
@@ -58,8 +87,22 @@ cdef extern from *:
         return sigaction(sig, &sa, NULL);
     }
     """
+    int torchmp_subreaper_set(int on)
+    int torchmp_subreaper_get()
     int torchmp_fault_save(int sig)
     int torchmp_fault_route(int sig)
+
+
+def set_child_subreaper(bint on=True):
+    """Make this process a child subreaper (``PR_SET_CHILD_SUBREAPER``), or
+    not: an orphaned descendant is then re-parented to it rather than to
+    pid 1.  Process-wide; OSError (ENOSYS) where there is no such setting."""
+    check(torchmp_subreaper_set(on), b"prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+def is_child_subreaper():
+    """Whether this process is a child subreaper."""
+    return bool(check(torchmp_subreaper_get(), b"prctl(PR_GET_CHILD_SUBREAPER)"))
 
 
 def route_sent_faults(int sig, handler):

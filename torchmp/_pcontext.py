@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from torchmp import _escapees
 from torchmp.errors import ProcessFailure
 from torchmp.logs_specs import LogsSpecs, validate_full_rank
 
@@ -120,6 +121,12 @@ class PContext(abc.ABC):
             for rank in sorted(tees)
         ]
 
+    #: torchmp extension (``start_processes(..., subreaper=True)``): the id
+    #: its ranks carry in ``TORCHMP_CONTEXT_ID``, and how many processes that
+    #: had left their rank's process group ``close()`` stopped.
+    subreaper_id: str | None = None
+    escaped: int = 0
+
     def start(self) -> None:
         """Start the workers; on the main thread, first install the handlers
         that turn the termination signals into :class:`SignalException`."""
@@ -208,6 +215,10 @@ class PContext(abc.ABC):
         if not death_sig:
             death_sig = signal.SIGTERM
         self._close(death_sig=death_sig, timeout=timeout)
+        if self.subreaper_id is not None:
+            # The ranks are gone: now what left their groups (subreaper=True).
+            self.escaped += _escapees.stop(self.pids().values(), self.pids().values(), timeout,
+                                           marker=self.subreaper_id)
 
     def __enter__(self) -> PContext:
         return self

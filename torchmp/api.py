@@ -45,10 +45,11 @@ import os
 import signal
 import sys
 import threading
+import uuid
 from collections.abc import Callable
 from typing import Any, overload
 
-from torchmp import _console
+from torchmp import _console, _escapees
 from torchmp._functions import MultiprocessContext
 from torchmp._inputs import (
     DEFAULT_STDERR_TAIL_LINES as DEFAULT_STDERR_TAIL_LINES,
@@ -180,6 +181,7 @@ def start_processes(
     cpu_affinity: dict[int, Any] | None = None,
     mem_bind: str | None = None,
     kill_on_bad_exit: bool = True,
+    subreaper: bool = False,
 ) -> PContext: ...
 
 
@@ -201,6 +203,7 @@ def start_processes(
     cpu_affinity: dict[int, Any] | None = None,
     mem_bind: str | None = None,
     kill_on_bad_exit: bool = True,
+    subreaper: bool = False,
 ) -> PContext: ...
 
 
@@ -248,6 +251,15 @@ def start_processes(  # type: ignore[misc]  # one body for both overloads: its 5
     failing rank leave the others running: the result comes once every
     rank has exited, with every failure in it (the root cause is still the
     first by time); the default ``True`` is torch's fail-fast.
+    ``subreaper=True`` makes this process a child subreaper
+    (``PR_SET_CHILD_SUBREAPER``; process-wide, and kept): a rank's
+    descendant that leaves its process group (``setsid``, a double fork) is
+    re-parented here, and ``close()`` stops it (SIGTERM, the same grace,
+    SIGKILL) and reaps it after the ranks; ``ctx.escaped`` counts them.  It
+    is told apart from the process's own children by ``TORCHMP_CONTEXT_ID``
+    (set in every rank's environment, inherited): one that clears its
+    environment is missed, and one that exits before ``close()`` stays a
+    zombie of this process.
 
     Placement: ``numa_options`` (torch's ``NumaOptions``, or
     :class:`torchmp.numa.NumaOptions` without torch) binds local rank ``r``
@@ -268,8 +280,10 @@ def start_processes(  # type: ignore[misc]  # one body for both overloads: its 5
     stderr_tail = kwargs.pop("stderr_tail", None)
     watch_stderr = _watch_stderr_setting(kwargs.pop("watch_stderr", None))
     kill_on_bad_exit = kwargs.pop("kill_on_bad_exit", True)
-    if not isinstance(kill_on_bad_exit, bool):
-        raise TypeError(f"kill_on_bad_exit must be True or False, got {kill_on_bad_exit!r}")
+    subreaper = kwargs.pop("subreaper", False)
+    for keyword, value in (("kill_on_bad_exit", kill_on_bad_exit), ("subreaper", subreaper)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{keyword} must be True or False, got {value!r}")
     # Checked before anything starts (the env vars too).
     backlog = _console.backlog_bound(console_backlog)
     tail_lines = stderr_tail_bound(stderr_tail)
@@ -306,6 +320,11 @@ def start_processes(  # type: ignore[misc]  # one body for both overloads: its 5
     args = _normalize_args(args)
     nprocs = len(args)
     envs = _normalize_envs(envs, nprocs)
+    subreaper_id = None
+    if subreaper:
+        _escapees.make_subreaper()  # OSError (ENOSYS) before anything starts
+        subreaper_id = uuid.uuid4().hex
+        envs = {rank: {**env, _escapees.MARKER_VAR: subreaper_id} for rank, env in envs.items()}
     start_method = options["start_method"]
     if not callable(entrypoint) and not isinstance(entrypoint, str):
         raise TypeError(f"entrypoint must be a callable or a str, got {type(entrypoint).__name__}")
@@ -346,6 +365,7 @@ def start_processes(  # type: ignore[misc]  # one body for both overloads: its 5
     context.stderr_tail = tail_lines
     context.watch_stderr = watch_stderr
     context.kill_on_bad_exit = kill_on_bad_exit
+    context.subreaper_id = subreaper_id
     try:
         context.start()
     except BaseException as e:

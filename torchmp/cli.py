@@ -66,7 +66,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from torchmp import _console, _core, _hang
+from torchmp import _console, _core, _escapees, _hang
 from torchmp._exec import resolve_executable
 from torchmp._signals import (
     DEFAULT_HANDLED_SIGNALS,
@@ -180,6 +180,9 @@ class _Run:
         #: attempt this is (--max-restarts).
         self.job_started: float | None = None
         self.attempt = 0
+        #: Processes that had left their rank's process group, stopped
+        #: (this attempt's; None: torchmp run could not be a subreaper).
+        self.escaped: int | None = 0
         self.specs: _AnnouncingLogsSpecs | None = None
         self.hang = _hang.HangWatch(plan.hang_report_after, self.started)
         # The reports are made on a thread of their own, woken by the report
@@ -390,9 +393,19 @@ class _Run:
         return (self.attempt < self.plan.max_restarts and self.signal is None and not self.timed_out
                 and not self.waited_out and self.result is not None and bool(self.result.failures))
 
+    def stop_escapees(self, grace: float | None = None) -> None:
+        """Stop and reap what left the ranks' process groups (re-parented
+        here: torchmp run is a child subreaper), once the ranks are gone."""
+        if self.escaped is None or self.ctx is None:
+            return
+        pids = list(self.ctx.pids().values())
+        self.escaped += _escapees.stop(pids, pids, self.plan.shutdown_timeout if grace is None else grace)
+
     def restart(self) -> None:
         """This attempt's report, then on to the next (launch() starts it)."""
+        self.stop_escapees()
         self.report()
+        self.escaped = 0 if self.escaped is not None else None
         self.attempt += 1
         _say(f"restarting {self.plan.name} (restart {self.attempt} of {self.plan.max_restarts})")
         self.result = None
@@ -502,6 +515,9 @@ class _Run:
                 summary += (f"torchmp: the console ({'stdout' if fd == 1 else 'stderr'}) could not be written "
                             f"({os.strerror(err)}) and was off from then on; the log files are complete\n")
             _show(summary)
+        if self.escaped:
+            _say(f"{self.escaped} process{'es' if self.escaped > 1 else ''} had left their rank's process group "
+                 "(setsid, a double fork): stopped after the ranks")
 
     def _why(self) -> str:
         """What ended the run, for the summary's title ("" for the ranks)."""
@@ -554,6 +570,13 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
         _say(plan.slurm_note)
     _configure_logging()
     run = _Run(plan)
+    try:
+        # An orphaned descendant of a rank comes here, not to pid 1: found
+        # and stopped with the ranks (_escapees).
+        _escapees.make_subreaper()
+    except OSError as e:
+        run.escaped = None
+        _say(f"cannot catch processes that leave their rank's process group: {e.strerror or e}")
     run.caught = _install_handlers(plan)  # before the first worker exists
     run.install_report_handler()
     try:
@@ -579,6 +602,7 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
                 return 127 if isinstance(e, FileNotFoundError) else 126
             return 1
         run.reports.stop()  # the workers are gone: no report after the summary
+        run.stop_escapees()
         run.report()
         return run.exit_code()
     except SignalException as e:
@@ -588,4 +612,5 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
     finally:
         if run.ctx is not None:
             close_despite_interrupts(run.ctx, signal.SIGKILL, 0)
+            run.stop_escapees(grace=0)
         run.reports.stop()

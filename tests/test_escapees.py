@@ -1,0 +1,133 @@
+"""Nothing escapes: processes that leave their rank's process group.
+
+A rank's descendant that calls ``setsid`` (or double-forks into a session of
+its own) is out of reach of the signals sent to the rank's group.  ``torchmp
+run`` is a child subreaper, so such a process is re-parented to it when its
+parent exits; it is then found, stopped after the ranks (SIGTERM, the
+grace, SIGKILL) and reaped, and the summary says how many there were.  The
+library does the same with ``start_processes(..., subreaper=True)``, for the
+processes that carry the context's id (never the process's own children).
+
+The escapees write their pids to a file; the test checks they are gone.
+Library runs happen in a launcher program of their own: a subreaper is a
+process-wide setting, not one to leave in the test process.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import Launcher, Launchers, kill_groups, read_pids, run_launcher, wait_gone, wait_no_tagged
+
+UNSET = ("TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCHMP_FORWARD_SIGNALS", "TORCHMP_HANG_REPORT_SIGNAL")
+
+# A rank whose child leaves the group for a session of its own and becomes
+# a sleep ("$2": what it does on SIGTERM: "die" or "ignore", which exec
+# keeps), then exits ("$1": its exit code) without waiting for it.
+RANK = r"""
+setsid sh -c 'echo $$ >> "$0"; if [ "$1" = ignore ]; then trap "" TERM; fi; exec sleep 97' "$PWD/pids" "$2" &
+while [ "$(wc -l < "$PWD/pids" 2>/dev/null || echo 0)" -lt "$((LOCAL_RANK + 1))" ]; do sleep 0.01; done
+[ "$LOCAL_RANK" = 0 ] || sleep 0.3
+exit "$1"
+"""
+
+
+@pytest.fixture
+def run(tmp_path):
+    with Launchers(follow=True) as launchers:
+        def start(*options: str, code: str = "0", on_term: str = "die") -> Launcher:
+            return launchers.start(
+                [sys.executable, "-m", "torchmp", "run", "-n", "2", "--log-dir", str(tmp_path / "logs"),
+                 *options, "--", "/bin/sh", "-c", RANK, "sh", code, on_term],
+                cwd=tmp_path, unset=UNSET)
+        yield start
+
+
+def escapees(tmp_path: Path) -> list[int]:
+    return read_pids(tmp_path / "pids", 2)
+
+
+def written(tmp_path: Path) -> list[int]:
+    """Every escapee pid written so far (cleanup)."""
+    path = tmp_path / "pids"
+    return [int(x) for x in path.read_text().split()] if path.exists() else []
+
+
+def test_setsid_children_are_stopped_after_a_clean_run(run, tmp_path):
+    la = run()
+    try:
+        assert la.finish(60) == 0
+        pids = escapees(tmp_path)
+        assert wait_gone(pids, 5) == []
+        assert la.err[-1] == ("torchmp: 2 processes had left their rank's process group (setsid, a double "
+                              "fork): stopped after the ranks")
+        assert any(line.startswith("torchmp: summary of sh: 2/2 ranks succeeded, exit code 0, ") for line in la.err)
+    finally:
+        kill_groups(written(tmp_path))
+    assert wait_no_tagged(la.tag) == []
+
+
+def test_an_escapee_that_ignores_sigterm_gets_sigkill_after_the_grace(run, tmp_path):
+    started = time.monotonic()
+    la = run("--shutdown-timeout", "1", on_term="ignore")
+    try:
+        assert la.finish(60) == 0
+        assert 1 <= time.monotonic() - started < 20
+        assert wait_gone(escapees(tmp_path), 5) == []
+        assert la.err[-1].startswith("torchmp: 2 processes had left their rank's process group")
+    finally:
+        kill_groups(written(tmp_path))
+
+
+def test_escapees_are_stopped_after_a_failure_too(run, tmp_path):
+    la = run(code="3")
+    try:
+        assert la.finish(60) == 3
+        assert wait_gone(escapees(tmp_path), 5) == []
+        assert la.err[-1].startswith("torchmp: 2 processes had left their rank's process group")
+    finally:
+        kill_groups(written(tmp_path))
+
+
+LIBRARY = """
+import os, subprocess, sys, time
+import torchmp
+from torchmp import DefaultLogsSpecs
+out = os.getcwd()
+# The process's own child in a session of its own: never taken for an escapee.
+own = subprocess.Popen(["sleep", "60"], start_new_session=True)
+ctx = torchmp.start_processes(
+    "esc", "/bin/sh", {r: ("-c", RANK, "sh", "0", "die") for r in range(2)},
+    {r: {"LOCAL_RANK": str(r)} for r in range(2)},
+    DefaultLogsSpecs(log_dir=os.path.join(out, "logs")), subreaper=True)
+result = ctx.wait(30)
+ctx.close()
+alive = own.poll() is None
+own.kill(); own.wait()
+print(result.failures, ctx.escaped, alive, flush=True)
+"""
+
+
+def test_library_subreaper_stops_the_contexts_escapees_only(tmp_path):
+    script = f"RANK = {RANK!r}\n" + LIBRARY
+    done = run_launcher(f"import os; os.chdir({str(tmp_path)!r})\n" + script, timeout=60)
+    try:
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.decode().splitlines() == ["{} 2 True"]
+        assert wait_gone(escapees(tmp_path), 5) == []
+    finally:
+        kill_groups(written(tmp_path))
+
+
+def test_library_subreaper_must_be_a_bool(tmp_path):
+    import torchmp
+    from torchmp import DefaultLogsSpecs
+
+    with pytest.raises(TypeError, match="subreaper must be True or False, got 1"):
+        torchmp.start_processes("x", "/bin/true", {0: ()}, {0: {}},
+                                DefaultLogsSpecs(log_dir=str(tmp_path / "logs")), subreaper=1)
+    assert list((tmp_path / "logs").iterdir()) == []
+    assert not torchmp._core.is_child_subreaper()  # checked before anything was set
