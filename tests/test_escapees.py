@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from helpers import Launcher, Launchers, kill_groups, read_pids, run_launcher, wait_gone, wait_no_tagged
@@ -131,3 +132,25 @@ def test_library_subreaper_must_be_a_bool(tmp_path):
                                 DefaultLogsSpecs(log_dir=str(tmp_path / "logs")), subreaper=1)
     assert list((tmp_path / "logs").iterdir()) == []
     assert not torchmp._core.is_child_subreaper()  # checked before anything was set
+
+
+def test_reparented_processes_that_exit_during_the_run_are_reaped_meanwhile(tmp_path):
+    # Each rank leaves three short-lived orphans (their shell exits first),
+    # then runs on: they must not pile up as zombies of torchmp run.
+    rank = "for i in 1 2 3; do sh -c 'sleep 0.1 &'; done; echo ready; sleep 8"
+    with Launchers(follow=True) as launchers:
+        la = launchers.start([sys.executable, "-m", "torchmp", "run", "-n", "2", "--log-dir", str(tmp_path / "logs"),
+                              "--", "/bin/sh", "-c", rank], cwd=tmp_path, unset=UNSET)
+        la.wait_for(lambda: sum(line.endswith("]:ready") for line in la.out) == 2, 30, "2 ready lines")
+        launcher = psutil.Process(la.proc.pid)
+        deadline = time.monotonic() + 7
+        zombies = None
+        while time.monotonic() < deadline:
+            zombies = [p.pid for p in launcher.children() if p.status() == psutil.STATUS_ZOMBIE]
+            if not zombies and time.monotonic() > deadline - 6:  # reaped (after at most one sweep)
+                break
+            time.sleep(0.1)
+        assert zombies == [], "re-parented processes left as zombies of torchmp run"
+        assert la.finish(60) == 0
+        # They stayed in their rank's groups: not counted as escapees.
+        assert not any("had left their rank's process group" in line for line in la.err)

@@ -84,6 +84,25 @@ def _signal(pid: int, pgrp: int, sig: int) -> None:
         pass
 
 
+def reap_exited(known: Collection[int], rank_groups: Collection[int]) -> int:
+    """Reap the children torchmp did not start that have exited already
+    (re-parented here while the job runs: without this they would stay
+    zombies until its end, one pid each); returns how many had left their
+    rank's process group.  For ``torchmp run`` only: a library user's own
+    children are not ours to reap."""
+    skip = set(known) | {_core.keeper_pid()}
+    own_group = os.getpgrp()
+    count = 0
+    for pid, (pgrp, exited) in _children().items():
+        if exited and pid not in skip and pgrp != own_group:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                continue
+            count += pgrp not in rank_groups
+    return count
+
+
 def stop(known: Collection[int], rank_groups: Collection[int], grace: float, marker: str | None = None) -> int:
     """Stop and reap every child of this process that torchmp did not start:
     not in ``known`` (ranks, of every open context), not the keeper, not in

@@ -112,6 +112,9 @@ logger = logging.getLogger("torchmp.cli")
 #: ``--time-limit`` reached: ``timeout(1)``'s and mpirun's status.
 TIME_LIMIT_EXIT = 124
 
+#: How often a running job's re-parented processes that exited are reaped.
+ESCAPEE_SWEEP_SECONDS = 5.0
+
 
 # ---------------------------------------------------------------------------
 # Running
@@ -360,9 +363,14 @@ class _Run:
         # rest's deadline.
         first_exit: float | None = None
         stop_rest_at: float | None = None
+        # Re-parented processes that exited meanwhile are reaped this often.
+        sweep_at = None if self.escaped is None else time.monotonic() + ESCAPEE_SWEEP_SECONDS
         result = None
         while result is None:
             now = time.monotonic()
+            if sweep_at is not None and now >= sweep_at:
+                self.reap_escapees()
+                sweep_at = now + ESCAPEE_SWEEP_SECONDS
             if warn_at is not None and now >= warn_at and plan.warn_signal is not None:
                 sig, before = plan.warn_signal
                 self._send(sig, f"{before:g}s before the time limit", f"sent {signal_name(sig)}")
@@ -376,7 +384,7 @@ class _Run:
             if stop_rest_at is not None and now >= stop_rest_at:
                 self.stop_the_rest()
                 return
-            due = [t for t in (warn_at, deadline, stop_rest_at) if t is not None]
+            due = [t for t in (warn_at, deadline, stop_rest_at, sweep_at) if t is not None]
             timeout = max(0.0, min(due) - now) if due else -1.0
             if plan.wait_after_exit is not None and first_exit is None:
                 # Woken by every exit, not only the deciding one.
@@ -392,6 +400,12 @@ class _Run:
         followed by another (not after a signal, the time limit or --wait)."""
         return (self.attempt < self.plan.max_restarts and self.signal is None and not self.timed_out
                 and not self.waited_out and self.result is not None and bool(self.result.failures))
+
+    def reap_escapees(self) -> None:
+        """While the ranks run: reap what was re-parented here and exited."""
+        if self.escaped is not None and self.ctx is not None:
+            pids = list(self.ctx.pids().values())
+            self.escaped += _escapees.reap_exited(pids, pids)
 
     def stop_escapees(self, grace: float | None = None) -> None:
         """Stop and reap what left the ranks' process groups (re-parented
