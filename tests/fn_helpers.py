@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from torchmp import RunProcsResult, _forkserver
+from torchmp import RunProcsResult
+from torchmp._launch import forkserver as _forkserver
 
 from helpers import launch
 

@@ -2,8 +2,8 @@
 
 Each fact lives in one place and the other side reads it from there, or this
 file ties the two copies together: the worker's fd numbers (C's spawn plan,
-torchmp._worker), the forkserver's exit trailer (C's torchmp_exit_trailer,
-torchmp._forkserver's struct), the setup steps a spawn error names, and the
+torchmp._launch.worker), the forkserver's exit trailer (C's torchmp_exit_trailer,
+torchmp._launch.forkserver's struct), the setup steps a spawn error names, and the
 named records Group.spawn / Group.prepare take.
 """
 from __future__ import annotations
@@ -17,7 +17,8 @@ import time
 
 import pytest
 
-from torchmp import _core, _forkserver, _worker
+from torchmp import _core
+from torchmp._launch import forkserver as _forkserver, worker as _worker
 
 from helpers import TORCHMP_PATH
 
@@ -89,14 +90,14 @@ def test_worker_fds_are_where_the_core_puts_them(tmp_path) -> None:
 def test_worker_module_stays_import_light() -> None:
     # _worker reads the fd numbers from _core, which `import torchmp` loads
     # anyway: a spawned worker imports nothing else of torchmp.
-    code = ("import sys; import torchmp._worker; "
+    code = ("import sys; import torchmp._launch.worker; "
             "print(' '.join(sorted(m for m in sys.modules if m.startswith('torchmp'))))")
     env = dict(os.environ, PYTHONPATH=TORCHMP_PATH)
     # cwd "/": `-c` puts the cwd first on sys.path, and a source checkout
     # there (CI runs from one) would shadow the torchmp under test.
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          cwd="/", timeout=60, check=True).stdout.split()
-    assert out == ["torchmp", "torchmp._core", "torchmp._version", "torchmp._worker"], out
+    assert out == ["torchmp", "torchmp._core", "torchmp._launch", "torchmp._launch.worker", "torchmp._version"], out
 
 
 # --------------------------------------------------------------------------- the exit trailer

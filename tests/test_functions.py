@@ -456,7 +456,8 @@ def test_workers_die_with_a_sigkilled_launcher(tmp_path, start_method):
         import json, sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         import torchmp
-        from torchmp import _core, _forkserver
+        from torchmp import _core
+        from torchmp._launch import forkserver as _forkserver
         import fn_workers
         ctx = torchmp.start_processes("w", fn_workers.announce_and_sleep,
                                       {{0: ({str(pidfile)!r},), 1: ({str(pidfile)!r},)}}, {{0: {{}}, 1: {{}}}},
@@ -508,7 +509,8 @@ def work(rank, with_box):
 if __name__ == "__main__":
     import json
     import torchmp
-    from torchmp import _core, _forkserver
+    from torchmp import _core
+    from torchmp._launch import forkserver as _forkserver
 
     log_dir, start_method, with_box = sys.argv[1], sys.argv[2], sys.argv[3] == "box"
     with open(os.environ["TORCHMP_T_MARKER"], "a") as f:

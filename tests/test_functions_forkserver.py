@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 
-from torchmp import _forkserver
+from torchmp._launch import forkserver as _forkserver
 from torchmp.errors import ChildFailedError
 
 import fn_workers as fw

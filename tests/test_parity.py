@@ -435,7 +435,7 @@ def _stop_forkservers(impl) -> None:
     """Each implementation's forkserver is a child of ours: stop it so that the
     leak guard does not count it."""
     if impl.name == "torchmp":
-        from torchmp import _forkserver
+        from torchmp._launch import forkserver as _forkserver
 
         _forkserver.get_forkserver()._stop()
     else:

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from torchmp import Std, _forkserver
+from torchmp import Std
+from torchmp._launch import forkserver as _forkserver
 from torchmp.errors import ChildFailedError
 
 from helpers import BIN, launch, run_launcher

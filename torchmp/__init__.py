@@ -13,7 +13,7 @@ False
 >>> ctx.close()
 
 The public names are loaded on first use, so a spawned function worker
-(which imports ``torchmp._worker``) starts about as fast as a bare
+(which imports ``torchmp._launch.worker``) starts about as fast as a bare
 interpreter.
 """
 

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchmp import _core
-from torchmp._exec import RankStreams, _exec_env, _ExecPlan, _launcher_environ, resolve_executable
+from torchmp._launch.exec import RankStreams, _exec_env, _ExecPlan, _launcher_environ, resolve_executable
 from torchmp._native import _NativeContext
 from torchmp.logs_specs import LogsSpecs
 

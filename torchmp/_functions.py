@@ -39,8 +39,9 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from torchmp import _core, _worker
-from torchmp._exec import (
+from torchmp import _core
+from torchmp._launch import worker as _worker
+from torchmp._launch.exec import (
     _RETURN_CHANNEL, RankStreams, _ExecPlan, _exec_env, _exitcode, _launcher_environ, apply_rank_env,
 )
 from torchmp._inputs import START_METHODS
@@ -257,13 +258,13 @@ class MultiprocessContext(_NativeContext):
         elif self.start_method == "fork":
             self._launch_fork(group, streams)
         else:
-            from torchmp._forkserver import get_forkserver
+            from torchmp._launch.forkserver import get_forkserver
 
             get_forkserver().launch(self, group, streams)
 
     def _launch_spawn(self, group: _core.Group, streams: list[RankStreams]) -> None:
         prep = _worker.preparation_data()
-        argv = _worker.interpreter_argv("torchmp._worker", "spawn_main")
+        argv = _worker.interpreter_argv("torchmp._launch.worker", "spawn_main")
         path = os.fsencode(sys.executable)
         payload_fds: list[int] = []
         environ = _launcher_environ()
@@ -440,7 +441,7 @@ class MultiprocessContext(_NativeContext):
 
     def _release_foreign(self, pids: list[int]) -> None:
         if pids and self.start_method == "forkserver":
-            from torchmp._forkserver import get_forkserver
+            from torchmp._launch.forkserver import get_forkserver
 
             get_forkserver().release(pids)
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from torchmp import _console, _core, _oom, _placement
-from torchmp._exec import (
+from torchmp._launch.exec import (
     _RETURN_CHANNEL, _NO_STREAM, RankStreams, _ExecPlan, _exitcode, _open_log,
 )
 from torchmp._inputs import (

@@ -132,7 +132,7 @@ class PContext(abc.ABC):
         that turn the termination signals into :class:`SignalException`."""
         # A spawn/forkserver worker re-importing a main module that has no
         # __main__ guard must not start a nested job (nor install handlers).
-        from torchmp._worker import refuse_nested_launch
+        from torchmp._launch.worker import refuse_nested_launch
 
         refuse_nested_launch()
         # Through the api module, whose names torch's tests replace.

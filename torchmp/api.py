@@ -131,7 +131,7 @@ def _wrap(
     level to the given files ("" for none), the process bound as
     ``numa_options`` says (GPU ``local_rank``), ``fn`` run under ``record``,
     its return value put on ``ret_vals[local_rank]``, then a wait on the event.
-    torchmp's own workers do not go through this (see torchmp._worker)."""
+    torchmp's own workers do not go through this (see torchmp._launch.worker)."""
     from torchmp.errors import record
     from torchmp.redirects import redirect_stderr, redirect_stdout
 

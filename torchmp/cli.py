@@ -67,7 +67,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from torchmp import _console, _core, _escapees, _hang
-from torchmp._exec import resolve_executable
+from torchmp._launch.exec import resolve_executable
 from torchmp._signals import (
     DEFAULT_HANDLED_SIGNALS,
     FAULT_SIGNALS,

@@ -1,6 +1,6 @@
 """The worker side of a function launch (spawn, fork and forkserver).
 
-A spawned worker starts as ``python -c "from torchmp._worker import
+A spawned worker starts as ``python -c "from torchmp._launch.worker import
 spawn_main; spawn_main()"`` with its payload on fd ``FD_PAYLOAD`` (4) and its
 return channel on fd ``FD_RETURN`` (3).  This module imports only the
 standard library pieces it needs and the compiled core, which ``import

@@ -40,8 +40,9 @@ import threading
 import time
 from typing import Any
 
-from torchmp import _core, _worker
-from torchmp._exec import _NO_STREAM, _RETURN_CHANNEL, RankStreams, _exec_env, rank_environb
+from torchmp import _core
+from torchmp._launch import worker as _worker
+from torchmp._launch.exec import _NO_STREAM, _RETURN_CHANNEL, RankStreams, _exec_env, rank_environb
 
 __all__ = ["set_forkserver_preload", "get_forkserver"]
 
@@ -100,7 +101,7 @@ class ForkServer:
         try:
             prep = _worker.preparation_data()
             setup = pickle.dumps((prep, list(_preload)), protocol=pickle.HIGHEST_PROTOCOL)
-            argv = _worker.interpreter_argv("torchmp._forkserver", "server_main")
+            argv = _worker.interpreter_argv("torchmp._launch.forkserver", "server_main")
             env = _exec_env(0, {})  # the launcher's
             group = _core.Group(1)
             group.spawn([_core.RankSpec(os.fsencode(sys.executable), argv, env, _NO_STREAM, _NO_STREAM, _NO_STREAM,

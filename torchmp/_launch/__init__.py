@@ -1,0 +1,1 @@
+"""How a worker starts: every launch of torchmp, in one place."""
