@@ -26,75 +26,29 @@ start method   how a worker starts
                launcher still gets pids, exit codes and rusage and kills whole
                process groups; a dead server is reported, never waited on.
 =============  ==============================================================
+
+How each of them starts a worker is :mod:`torchmp._launch`; this module
+observes the workers and reports their results.
 """
 
 from __future__ import annotations
 
-import os
 import pickle
 import signal
-import sys
-import tempfile
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from torchmp import _core
-from torchmp._launch import worker as _worker
-from torchmp._launch.exec import (
-    _RETURN_CHANNEL, RankStreams, _ExecPlan, _exec_env, _exitcode, _launcher_environ, apply_rank_env,
-)
 from torchmp._inputs import START_METHODS
-from torchmp._native import KILL_GRACE_SECONDS, _NativeContext, logger
-from torchmp._pcontext import RunProcsResult
-from torchmp._signals import SignalException, handled_signals
+from torchmp._launch import Launch
+from torchmp._launch.exec import SpawnLaunch
+from torchmp._launch.fork import ForkLaunch
+from torchmp._native import _NativeContext, logger
+from torchmp._pcontext import RunProcsResult, exitcode
 from torchmp.errors import ProcessFailure
 from torchmp.logs_specs import LogsSpecs
 
 __all__ = ["MultiprocessContext", "ProcessExitedException", "WorkerView", "WorkersView"]
-
-
-
-# A forked worker must die of the signals the launcher turns into
-# SignalException (api.handled_signals()) like any other process, not raise
-# in the user's function.
-
-
-def _payload_file(data: bytes) -> int:
-    """An anonymous file holding data (memfd where there is one)."""
-    if hasattr(os, "memfd_create"):
-        fd = os.memfd_create("torchmp-payload", os.MFD_CLOEXEC)
-    else:  # pragma: no cover - non-Linux
-        f = tempfile.TemporaryFile()
-        fd = os.dup(f.fileno())
-        f.close()
-        os.set_inheritable(fd, False)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _check_picklable(start_method: str, entrypoint: Callable[..., Any], args: dict[int, tuple[Any, ...]]) -> None:
-    if start_method == "fork":
-        return
-    try:
-        pickle.dumps(entrypoint, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as e:
-        name = getattr(entrypoint, "__qualname__", repr(entrypoint))
-        raise ValueError(
-            f"entrypoint {name} cannot be pickled for start_method={start_method!r} ({e}); "
-            "define it at module level (not a lambda or a local function), or use start_method='fork'"
-        ) from None
-    for rank, rank_args in args.items():
-        try:
-            pickle.dumps(rank_args, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as e:
-            raise ValueError(f"args[{rank}] cannot be pickled for start_method={start_method!r}: {e}") from None
 
 
 class ProcessExitedException(Exception):
@@ -139,7 +93,7 @@ class WorkerView:
     @property
     def exitcode(self) -> int | None:
         info = self._info()
-        return _exitcode(info.wait_status) if info.state == _core.PROC_EXITED else None
+        return exitcode(info.wait_status) if info.state == _core.PROC_EXITED else None
 
     def is_alive(self) -> bool:
         return bool(self._info()[0] == _core.PROC_RUNNING)
@@ -175,7 +129,7 @@ class WorkersView:
                   if info.state == _core.PROC_EXITED and info.wait_status != 0]
         if failed:
             _, _, rank, info = min(failed)
-            code = _exitcode(info.wait_status)
+            code = exitcode(info.wait_status)
             name = signal.Signals(-code).name if code < 0 and -code in _SIGNAL_NUMBERS else None
             what = f"signal {name}" if name else f"exit code {code}"
             raise ProcessExitedException(f"process {rank} terminated with {what}", rank, info.pid, code, name)
@@ -239,114 +193,17 @@ class MultiprocessContext(_NativeContext):
         # copy), until unpickled.
         self._return_blobs: dict[int, Any] = {}
 
-    def _check_entrypoint(self, entrypoint: Any, args: dict[int, tuple[Any, ...]],
-                          envs: dict[int, dict[str, str]]) -> None:
+    def _launch_for(self, name: str, entrypoint: Any, args: dict[int, tuple[Any, ...]],
+                    envs: dict[int, dict[str, str]]) -> Launch:
         if not callable(entrypoint):
             raise TypeError(f"MultiprocessContext needs a callable entrypoint, got {type(entrypoint).__name__}")
-        _check_picklable(self.start_method, entrypoint, args)
-        self._fn: Callable[..., Any] = entrypoint  # self.entrypoint, as its type
-
-    # -- launching ------------------------------------------------------------
-    def _launch(self, group: _core.Group, streams: list[RankStreams]) -> None:
-        if self.start_method != "fork" and "__main__" in sys.modules:
-            # Workers re-import the main module as __mp_main__, so objects of
-            # its classes come back pickled under that name (multiprocessing
-            # sets up the same alias).
-            sys.modules.setdefault("__mp_main__", sys.modules["__main__"])
         if self.start_method == "spawn":
-            self._launch_spawn(group, streams)
-        elif self.start_method == "fork":
-            self._launch_fork(group, streams)
-        else:
-            from torchmp._launch.forkserver import get_forkserver
+            return SpawnLaunch(name, entrypoint, args, envs)
+        if self.start_method == "fork":
+            return ForkLaunch(name, entrypoint, args, envs)
+        from torchmp._launch.forkserver import ForkserverLaunch
 
-            get_forkserver().launch(self, group, streams)
-
-    def _launch_spawn(self, group: _core.Group, streams: list[RankStreams]) -> None:
-        prep = _worker.preparation_data()
-        argv = _worker.interpreter_argv("torchmp._launch.worker", "spawn_main")
-        path = os.fsencode(sys.executable)
-        payload_fds: list[int] = []
-        environ = _launcher_environ()
-        try:
-            plans = []
-            for rank in range(self.nprocs):
-                payload = _worker.encode_payload(prep, self._fn, self.args[rank])
-                fd = _payload_file(payload)
-                payload_fds.append(fd)
-                plans.append(_ExecPlan(path, argv, _exec_env(rank, self.envs[rank], environ), return_channel=True,
-                                       payload_fd=fd))
-            self._spawn(group, streams, plans)
-        finally:
-            for fd in payload_fds:
-                os.close(fd)
-
-    def _launch_fork(self, group: _core.Group, streams: list[RankStreams]) -> None:
-        # Python-level buffers would otherwise be written twice (parent and child).
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        on_main_thread = threading.current_thread() is threading.main_thread()
-        launcher_signals = tuple(int(s) for s in handled_signals())
-        # One I/O-thread round trip to open every rank's streams and one to
-        # watch every worker: per-rank round trips cost more than the fork
-        # itself once forked workers compete for the CPU.
-        try:
-            group.prepare([(out, err, _RETURN_CHANNEL) for out, err in streams])
-        except OSError as e:
-            logger.error("failed to set up the streams of local rank %s of %s: %s",
-                         getattr(e, "rank", "?"), self.name, e)
-            raise
-        # A signal handler that runs inside CPython's fork hooks (logging
-        # registers some) raises there, and CPython prints and drops what a
-        # hook raises: the launcher would carry on as if no signal had come.
-        # Such interrupts are kept and raised once fork_rank has returned.
-        interrupts: list[BaseException] = []
-        previous_hook = sys.unraisablehook
-
-        def keep_interrupts(unraisable: Any) -> None:
-            if isinstance(unraisable.exc_value, (SignalException, KeyboardInterrupt)):
-                interrupts.append(unraisable.exc_value)
-            else:
-                previous_hook(unraisable)
-
-        sys.unraisablehook = keep_interrupts
-        try:
-            for rank in range(self.nprocs):
-                # fork_rank records the pid in the group before it returns, so
-                # a signal landing anywhere after the fork cannot lose it.
-                pid, ret_fd = group.fork_rank(rank, on_main_thread, launcher_signals, self._bindings.get(rank))
-                if pid == 0:
-                    sys.unraisablehook = previous_hook
-                    # The child must never unwind into the launcher's frames.
-                    try:
-                        _fork_child(self._fn, self.args[rank], rank, self.envs[rank],
-                                    ret_fd, launcher_signals)
-                    finally:
-                        os._exit(1)
-                if interrupts:
-                    raise interrupts[0]
-            group.adopt_forked()
-        except BaseException as e:
-            sys.unraisablehook = previous_hook
-            if isinstance(e, OSError):
-                logger.error("failed to start the workers of %s: %s", self.name, e)
-            self._abort_launch(group)
-            raise
-        finally:
-            sys.unraisablehook = previous_hook
-        group.drop_unstarted()
-
-    def _abort_launch(self, group: _core.Group) -> None:
-        """A launch failed half-way: drop the ranks never started and tear
-        down every one that was (close() first adopts any forked worker not
-        watched yet)."""
-        try:
-            group.drop_unstarted()
-        finally:
-            self._close(signal.SIGKILL, timeout=KILL_GRACE_SECONDS)
+        return ForkserverLaunch(name, entrypoint, args, envs)
 
     def _start(self) -> None:
         super()._start()
@@ -438,30 +295,3 @@ class MultiprocessContext(_NativeContext):
         if self._return_blobs.get(rank) or rank in self._return_values_cache:
             return None
         return "exited with code 0 without returning a value (os._exit() before the function returned?)"
-
-    def _release_foreign(self, pids: list[int]) -> None:
-        if pids and self.start_method == "forkserver":
-            from torchmp._launch.forkserver import get_forkserver
-
-            get_forkserver().release(pids)
-
-    def _lost_status_reason(self, rank: int) -> str:
-        if self.start_method == "forkserver":
-            return "its exit status was lost: the forkserver that started it died"
-        return super()._lost_status_reason(rank)
-
-
-def _fork_child(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, env: dict[str, Any], ret_fd: int,
-                default_signals: tuple[int, ...]) -> None:
-    """Body of a forked worker: never returns into the launcher's frames."""
-    try:
-        # fork_rank reset these in C at fork, so none of the launcher's
-        # handlers can run here; this tells Python's own table the same
-        # (signal.getsignal, and a handler the function installs on top).
-        for sig in default_signals:
-            signal.signal(sig, signal.SIG_DFL)
-        _worker.fresh_stdio()
-        apply_rank_env(rank, env)
-    except BaseException:
-        os._exit(1)
-    _worker.run(fn, args, ret_fd)

@@ -16,14 +16,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from torchmp import _console, _core, _oom, _placement
-from torchmp._launch.exec import (
-    _RETURN_CHANNEL, _NO_STREAM, RankStreams, _ExecPlan, _exitcode, _open_log,
-)
+from torchmp._launch import Launch, adopt_interrupted
+from torchmp._launch.streams import NO_STREAM, RankStreams, open_log
 from torchmp._inputs import (
     DEFAULT_STDERR_TAIL_LINES, TAIL_BYTES_PER_LINE, _check_filters, _check_name, _check_prefixes,
     _normalize_args, _normalize_envs,
 )
-from torchmp._pcontext import PContext, ResourceUsage, RunProcsResult
+from torchmp._pcontext import PContext, ResourceUsage, RunProcsResult, exitcode
 from torchmp._signals import close_despite_interrupts
 from torchmp.errors import ProcessFailure, root_cause
 from torchmp._tails import _file_tail, rank_tail
@@ -84,7 +83,7 @@ class _NativeContext(PContext):
         log_line_prefixes = _check_prefixes(log_line_prefixes, len(args))
         duplicate_stdout_filters = _check_filters(duplicate_stdout_filters, "duplicate_stdout_filters")
         duplicate_stderr_filters = _check_filters(duplicate_stderr_filters, "duplicate_stderr_filters")
-        self._check_entrypoint(entrypoint, args, envs)
+        self._launcher = self._launch_for(name, entrypoint, args, envs)
         super().__init__(
             name, entrypoint, args, envs, logs_specs, log_line_prefixes,
             duplicate_stdout_filters, duplicate_stderr_filters,
@@ -115,33 +114,21 @@ class _NativeContext(PContext):
 
     # -- what and how to start (subclass) -----------------------------------
     @abc.abstractmethod
-    def _check_entrypoint(self, entrypoint: Any, args: dict[int, tuple[Any, ...]],
-                          envs: dict[int, dict[str, str]]) -> None:
-        """Reject an entrypoint or args this context cannot start."""
+    def _launch_for(self, name: str, entrypoint: Any, args: dict[int, tuple[Any, ...]],
+                    envs: dict[int, dict[str, str]]) -> Launch:
+        """Reject an entrypoint or args this context cannot start; the
+        strategy (torchmp._launch) that will start them."""
         raise NotImplementedError
 
-    @abc.abstractmethod
     def _launch(self, group: _core.Group, streams: list[RankStreams]) -> None:
         """Start every rank in ``group``; ``streams[rank]`` is its (stdout,
-        stderr) plan for the native core."""
-        raise NotImplementedError
+        stderr) plan for the native core, ``self._bindings`` where each runs.
+        A rank that cannot start tears down those started before it
+        (SIGKILL) and raises."""
+        self._launcher.launch(group, streams, self._bindings, self._abort_launch)
 
-    def _spawn(self, group: _core.Group, streams: list[RankStreams],
-               plans: list[_ExecPlan]) -> None:
-        """Exec-launch every rank from the I/O thread.  If rank k cannot be
-        started, ranks < k are killed and reaped and the OSError raised."""
-        specs = [
-            _core.RankSpec(plan.path, plan.argv, plan.envp, out, err,
-                           _RETURN_CHANNEL if plan.return_channel else _NO_STREAM, plan.payload_fd,
-                           self._bindings.get(rank))
-            for rank, (plan, (out, err)) in enumerate(zip(plans, streams, strict=True))
-        ]
-        try:
-            group.spawn(specs)
-        except _core.SpawnError as e:
-            logger.error("failed to start local rank %s of %s: %s", e.rank, self.name, e)
-            self._close(signal.SIGKILL, timeout=KILL_GRACE_SECONDS)
-            raise e.cause from None
+    def _abort_launch(self) -> None:
+        self._close(signal.SIGKILL, timeout=KILL_GRACE_SECONDS)
 
     def _return_values(self) -> dict[int, Any]:
         return dict.fromkeys(range(self.nprocs))
@@ -154,8 +141,9 @@ class _NativeContext(PContext):
         return None
 
     def _lost_status_reason(self, rank: int) -> str:
-        return ("its exit status was lost: another part of this process reaped it "
-                "(a waitpid(-1) or SIGCHLD handler outside torchmp)")
+        return self._launcher.lost_status_reason() or (
+            "its exit status was lost: another part of this process reaped it "
+            "(a waitpid(-1) or SIGCHLD handler outside torchmp)")
 
     # -- start ------------------------------------------------------------
     def _prefix(self, rank: int) -> bytes:
@@ -181,8 +169,8 @@ class _NativeContext(PContext):
                 # Shown as it was (no prefix), but through a pipe: the tail
                 # is kept as it passes.
                 return _core.StreamSpec(_core.STREAM_TEE, -1, sink, b"", False, None, backlog, tail)
-            return _NO_STREAM
-        fd = _open_log(path)
+            return NO_STREAM
+        fd = open_log(path)
         opened.append(fd)
         if rank in tees:
             return _core.StreamSpec(_core.STREAM_TEE, fd, sink, self._prefix(rank), self.log_line_timestamps,
@@ -252,7 +240,7 @@ class _NativeContext(PContext):
                 (self.duplicate_stderr_filters, self._logs_dest.filtered_stderr),
             ):
                 if filters:
-                    fd = _open_log(path)
+                    fd = open_log(path)
                     opened.append(fd)
                     filtered.append(([os.fsencode(f) for f in filters], fd))
                 else:
@@ -295,7 +283,7 @@ class _NativeContext(PContext):
     def _decided(self, ranks: list[_core.ProcInfo]) -> bool:
         exited = [info for info in ranks if info.state == _core.PROC_EXITED]
         return len(exited) == self.nprocs or (
-            self.kill_on_bad_exit and any(_exitcode(info.wait_status) != 0 for info in exited))
+            self.kill_on_bad_exit and any(exitcode(info.wait_status) != 0 for info in exited))
 
     def _poll(self) -> RunProcsResult | None:
         if self._result is not None:
@@ -341,7 +329,7 @@ class _NativeContext(PContext):
                 continue
             if info.state != _core.PROC_EXITED:
                 continue
-            code = _exitcode(info.wait_status)
+            code = exitcode(info.wait_status)
             resources[rank] = ResourceUsage(
                 pid=pid,
                 exitcode=code,
@@ -501,7 +489,7 @@ class _NativeContext(PContext):
 
     def _close_group(self, group: _core.Group, death_sig: signal.Signals, timeout: float) -> None:
         # Workers an interrupted launch started but never got to watch.
-        group.adopt_forked()
+        adopt_interrupted(group)
         _, ranks = group.snapshot()
         pids = {rank: info.pid for rank, info in enumerate(ranks) if info.state != _core.PROC_UNSTARTED}
         running = [rank for rank, info in enumerate(ranks) if info.state == _core.PROC_RUNNING]
@@ -546,7 +534,7 @@ class _NativeContext(PContext):
             # While the zombies still pin the ranks' pids; a look only if
             # there is a SIGKILL to explain.
             self._oom_watch.stop(oom_suspects)
-        self._release_foreign(group.reap())
+        self._launcher.release(group.reap())
         group.finish_streams()
         if self._forwarder is not None:
             # What the objects still have to show is written by the
@@ -563,9 +551,6 @@ class _NativeContext(PContext):
         _live_contexts.discard(self)
         group.release()
 
-    def _release_foreign(self, pids: list[int]) -> None:
-        """Workers started by a forkserver: tell it to reap these."""
-
     def _keep_tails(self, group: _core.Group, ranks: list[_core.ProcInfo]) -> None:
         if not self.stderr_tail:
             return
@@ -578,7 +563,7 @@ class _NativeContext(PContext):
 
     def _unsent_sigkills(self, ranks: list[_core.ProcInfo]) -> bool:
         """Whether a rank died of a SIGKILL torchmp did not send."""
-        return any(info.state == _core.PROC_EXITED and _exitcode(info.wait_status) == -signal.SIGKILL
+        return any(info.state == _core.PROC_EXITED and exitcode(info.wait_status) == -signal.SIGKILL
                    and (rank not in self._terminated_by_launcher or info.status_lost)
                    for rank, info in enumerate(ranks))
 

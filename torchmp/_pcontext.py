@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import os
 import signal
 import time
 from collections.abc import Callable, Iterable
@@ -12,6 +13,16 @@ from typing import Any
 from torchmp import _escapees
 from torchmp.errors import ProcessFailure
 from torchmp.logs_specs import LogsSpecs, validate_full_rank
+
+
+def exitcode(wait_status: int) -> int:
+    """A raw wait status as ``subprocess`` reports it: the exit code, or
+    minus the signal that killed the process."""
+    if os.WIFSIGNALED(wait_status):
+        return -os.WTERMSIG(wait_status)
+    if os.WIFEXITED(wait_status):
+        return os.WEXITSTATUS(wait_status)
+    return 255
 
 
 @dataclass(frozen=True)

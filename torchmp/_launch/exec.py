@@ -1,22 +1,28 @@
-"""What an exec needs, prepared in the parent before any fork: the
-resolved path, the log files opened, the environment as envp, and exit
-statuses read back.  A rank's environment is built here for every start
-method (envp for an exec, a dict for a forkserver worker, os.environ for a
-forked one), all with _inputs._encode_env_item's encoding."""
+"""The ``exec`` strategy: the I/O thread forks and execs every rank of a
+group (csrc/spawn.c), in one round trip.  Binaries start this way, and so do
+``spawn`` function workers (a fresh interpreter reading its function from a
+payload file); so does the forkserver itself."""
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import pickle
 import stat
-from collections.abc import Mapping
+import sys
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torchmp import _core
-from torchmp._inputs import _encode_env_item
+from torchmp._launch import Launch, worker
+from torchmp._launch.env import exec_env, launcher_environ
+from torchmp._launch.streams import NO_STREAM, RETURN_CHANNEL, RankStreams
 
-_LOG_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+# torch's contexts log as its api module; so do torchmp's.
+logger = logging.getLogger("torchmp.api")
 
 
 def _exec_search_path(env: Mapping[str, Any]) -> list[bytes]:
@@ -60,48 +66,8 @@ def resolve_executable(entrypoint: str, env: Mapping[str, Any] | None = None) ->
     raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), entrypoint)
 
 
-def _open_log(path: str) -> int:
-    """Open a log file for a worker: truncate, never through a symlink
-    planted in the log directory, never block on a FIFO planted there, mode
-    from the umask.  Character devices (/dev/null) are fine."""
-    try:
-        fd = os.open(path, _LOG_FLAGS | os.O_NONBLOCK, 0o666)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise OSError(e.errno, f"refusing to follow a symlink for a log file: {path}", path) from None
-        if e.errno == errno.ENXIO:
-            raise OSError(e.errno, f"refusing a FIFO as a log file: {path}", path) from None
-        raise
-    try:
-        mode = os.fstat(fd).st_mode
-        if not (stat.S_ISREG(mode) or stat.S_ISCHR(mode)):
-            raise OSError(errno.EINVAL, f"a log file must be a regular file or a device: {path}", path)
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _exitcode(wait_status: int) -> int:
-    if os.WIFSIGNALED(wait_status):
-        return -os.WTERMSIG(wait_status)
-    if os.WIFEXITED(wait_status):
-        return os.WEXITSTATUS(wait_status)
-    return 255
-
-
-# Stream specs without a file: the worker inherits the launcher's stream, or
-# (the return channel) the I/O thread keeps what the worker writes.
-_NO_STREAM = _core.StreamSpec(_core.STREAM_INHERIT, -1, -1, None)
-_RETURN_CHANNEL = _core.StreamSpec(_core.STREAM_CAPTURE, -1, -1, None)
-
-#: A rank's (stdout, stderr) as the native core is to wire them.
-RankStreams = tuple[_core.StreamSpec, _core.StreamSpec]
-
-
 @dataclass
-class _ExecPlan:
+class ExecPlan:
     """One rank of an exec launch, ready for the native core (but its fds)."""
 
     path: bytes
@@ -109,40 +75,128 @@ class _ExecPlan:
     envp: list[bytes]
     return_channel: bool = False  # a pipe for the pickled return value
     payload_fd: int = -1
+    binding: _core.Binding | None = None  # where the worker runs (None: where the launcher may)
 
 
-def _launcher_environ() -> dict[bytes, bytes]:
-    """The launcher's environment as ready envp entries (b"K=V"), by name."""
-    data = getattr(os.environb, "_data", None)
-    # os.environb's own dict, read at C speed; iterating the mapping costs a
-    # Python-level call per variable.
-    items = data.items() if isinstance(data, dict) else os.environb.items()
-    return {k: k + b"=" + v for k, v in items}
+def spawn_ranks(group: _core.Group, streams: Sequence[RankStreams], plans: Sequence[ExecPlan],
+                abort: Callable[[], None], name: str) -> None:
+    """Exec every rank from the I/O thread.  If rank k cannot be started,
+    ranks < k are torn down (``abort``) and its OSError is raised."""
+    specs = [
+        _core.RankSpec(plan.path, plan.argv, plan.envp, out, err,
+                       RETURN_CHANNEL if plan.return_channel else NO_STREAM, plan.payload_fd, plan.binding)
+        for plan, (out, err) in zip(plans, streams, strict=True)
+    ]
+    try:
+        group.spawn(specs)
+    except _core.SpawnError as e:
+        logger.error("failed to start local rank %s of %s: %s", e.rank, name, e)
+        abort()
+        raise e.cause from None
 
 
-def rank_environb(rank: int, overrides: Mapping[Any, Any]) -> dict[bytes, bytes]:
-    """The launcher's environment with envs[rank] on top, name -> value (what
-    a forkserver worker sets as its os.environb)."""
-    env = dict(os.environb)
-    for key, value in overrides.items():
-        kb, vb = _encode_env_item(rank, key, value)
-        env[kb] = vb
-    return env
+class BinaryLaunch(Launch):
+    """Every rank execs ``program`` (already found on each rank's PATH) with
+    its args, in the launcher's environment with its envs on top."""
+
+    method = "exec"
+
+    def __init__(self, name: str, program: str, paths: Mapping[int, bytes],
+                 args: Mapping[int, tuple[Any, ...]], envs: Mapping[int, Mapping[str, Any]]) -> None:
+        self.name = name
+        self.program = program
+        self.paths = paths
+        self.args = args
+        self.envs = envs
+
+    def launch(self, group: _core.Group, streams: Sequence[RankStreams], bindings: Mapping[int, _core.Binding],
+               abort: Callable[[], None]) -> None:
+        environ = launcher_environ()
+        program = os.fsencode(self.program)
+        plans = []
+        for rank in range(len(streams)):
+            argv = [program] + [a if isinstance(a, bytes) else os.fsencode(str(a)) for a in self.args[rank]]
+            plans.append(ExecPlan(self.paths[rank], argv, exec_env(rank, self.envs[rank], environ),
+                                  binding=bindings.get(rank)))
+        spawn_ranks(group, streams, plans, abort, self.name)
 
 
-def apply_rank_env(rank: int, overrides: Mapping[Any, Any]) -> None:
-    """Put envs[rank] into this process's environment (a forked worker, whose
-    environment is the launcher's already)."""
-    for key, value in overrides.items():
-        kb, vb = _encode_env_item(rank, key, value)
-        os.environb[kb] = vb
+def payload_file(data: bytes) -> int:
+    """An anonymous file holding data (memfd where there is one)."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("torchmp-payload", os.MFD_CLOEXEC)
+    else:  # pragma: no cover - non-Linux
+        f = tempfile.TemporaryFile()
+        fd = os.dup(f.fileno())
+        f.close()
+        os.set_inheritable(fd, False)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
-def _exec_env(rank: int, overrides: Mapping[Any, Any], base: dict[bytes, bytes] | None = None) -> list[bytes]:
-    """The launcher's environment (or base, a _launcher_environ() snapshot
-    taken once per launch) with envs[rank] on top, as envp entries."""
-    entries = _launcher_environ() if base is None else dict(base)
-    for key, value in overrides.items():
-        kb, vb = _encode_env_item(rank, key, value)
-        entries[kb] = kb + b"=" + vb
-    return list(entries.values())
+def alias_main_for_workers() -> None:
+    """Workers that re-import the main module do so as ``__mp_main__``, so
+    objects of its classes come back pickled under that name: the launcher
+    gets the same alias (multiprocessing sets it up too)."""
+    if "__main__" in sys.modules:
+        sys.modules.setdefault("__mp_main__", sys.modules["__main__"])
+
+
+def check_picklable(method: str, fn: Callable[..., Any], args: Mapping[int, tuple[Any, ...]]) -> None:
+    """A clear error, before anything starts, for what ``spawn`` and
+    ``forkserver`` cannot send to a worker."""
+    try:
+        pickle.dumps(fn, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise ValueError(
+            f"entrypoint {name} cannot be pickled for start_method={method!r} ({e}); "
+            "define it at module level (not a lambda or a local function), or use start_method='fork'"
+        ) from None
+    for rank, rank_args in args.items():
+        try:
+            pickle.dumps(rank_args, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:
+            raise ValueError(f"args[{rank}] cannot be pickled for start_method={method!r}: {e}") from None
+
+
+class SpawnLaunch(Launch):
+    """``spawn``: every rank is a fresh interpreter (exec'd like a binary)
+    that reads its pickled function and args from a payload file and sends
+    its return value down its return channel (see ``worker``)."""
+
+    method = "spawn"
+
+    def __init__(self, name: str, fn: Callable[..., Any], args: Mapping[int, tuple[Any, ...]],
+                 envs: Mapping[int, Mapping[str, Any]]) -> None:
+        check_picklable(self.method, fn, args)
+        self.name = name
+        self.fn = fn
+        self.args = args
+        self.envs = envs
+
+    def launch(self, group: _core.Group, streams: Sequence[RankStreams], bindings: Mapping[int, _core.Binding],
+               abort: Callable[[], None]) -> None:
+        alias_main_for_workers()
+        prep = worker.preparation_data()
+        argv = worker.interpreter_argv("torchmp._launch.worker", "spawn_main")
+        path = os.fsencode(sys.executable)
+        payload_fds: list[int] = []
+        environ = launcher_environ()
+        try:
+            plans = []
+            for rank in range(len(streams)):
+                fd = payload_file(worker.encode_payload(prep, self.fn, self.args[rank]))
+                payload_fds.append(fd)
+                plans.append(ExecPlan(path, argv, exec_env(rank, self.envs[rank], environ), return_channel=True,
+                                      payload_fd=fd, binding=bindings.get(rank)))
+            spawn_ranks(group, streams, plans, abort, self.name)
+        finally:
+            for fd in payload_fds:
+                os.close(fd)

@@ -40,11 +40,15 @@ import threading
 import time
 from typing import Any
 
-from torchmp import _core
-from torchmp._launch import worker as _worker
-from torchmp._launch.exec import _NO_STREAM, _RETURN_CHANNEL, RankStreams, _exec_env, rank_environb
+from collections.abc import Callable, Mapping, Sequence
 
-__all__ = ["set_forkserver_preload", "get_forkserver"]
+from torchmp import _core
+from torchmp._launch import Launch, worker as _worker
+from torchmp._launch.env import exec_env, rank_environb
+from torchmp._launch.exec import alias_main_for_workers, check_picklable
+from torchmp._launch.streams import NO_STREAM, RETURN_CHANNEL, RankStreams
+
+__all__ = ["ForkserverLaunch", "set_forkserver_preload", "get_forkserver"]
 
 _REPLY = struct.Struct("<q")
 _LENGTH = struct.Struct("<I")
@@ -102,9 +106,9 @@ class ForkServer:
             prep = _worker.preparation_data()
             setup = pickle.dumps((prep, list(_preload)), protocol=pickle.HIGHEST_PROTOCOL)
             argv = _worker.interpreter_argv("torchmp._launch.forkserver", "server_main")
-            env = _exec_env(0, {})  # the launcher's
+            env = exec_env(0, {})  # the launcher's
             group = _core.Group(1)
-            group.spawn([_core.RankSpec(os.fsencode(sys.executable), argv, env, _NO_STREAM, _NO_STREAM, _NO_STREAM,
+            group.spawn([_core.RankSpec(os.fsencode(sys.executable), argv, env, NO_STREAM, NO_STREAM, NO_STREAM,
                                         child_sock.fileno())])
         except BaseException:
             parent_sock.close()
@@ -182,27 +186,29 @@ class ForkServer:
                 pass  # gone: its zombies went with it
 
     # -- launching ----------------------------------------------------------
-    def launch(self, ctx: Any, group: _core.Group, streams: list[RankStreams]) -> None:
+    def launch(self, group: _core.Group, streams: Sequence[RankStreams], fn: Callable[..., Any],
+               args: Mapping[int, tuple[Any, ...]], envs: Mapping[int, Mapping[str, Any]],
+               bindings: Mapping[int, _core.Binding], abort: Callable[[], None]) -> None:
         with self._lock:
             if not self._alive():
                 self._start()
             # Every rank's streams in one I/O-thread round trip.
-            worker_fds = group.prepare([(out, err, _RETURN_CHANNEL) for out, err in streams])
+            worker_fds = group.prepare([(out, err, RETURN_CHANNEL) for out, err in streams])
             try:
-                for rank in range(ctx.nprocs):
+                for rank in range(len(streams)):
                     out_fd, err_fd, ret_fd = worker_fds[rank]
                     try:
                         # The launcher's environment now, not the server's from
                         # when it started: a variable removed since must not leak.
-                        env = rank_environb(rank, ctx.envs[rank])
+                        env = rank_environb(rank, envs[rank])
                         # The env apart from the function: a worker whose
                         # function cannot be unpickled still knows where its
                         # error file goes.
                         # The binding as plain tuples: the worker applies it
                         # in its setup, before the function is unpickled.
-                        binding = ctx._bindings.get(rank)
+                        binding = bindings.get(rank)
                         body = pickle.dumps(
-                            (env, pickle.dumps((ctx.entrypoint, ctx.args[rank]), protocol=pickle.HIGHEST_PROTOCOL),
+                            (env, pickle.dumps((fn, args[rank]), protocol=pickle.HIGHEST_PROTOCOL),
                              None if binding is None else tuple(binding)),
                             protocol=pickle.HIGHEST_PROTOCOL)
                         fds = [fd for fd in (out_fd, err_fd) if fd >= 0] + [ret_fd]
@@ -226,9 +232,41 @@ class ForkServer:
                     # Watched at once: its pidfd should be open before it can exit.
                     group.adopt_forked()
             except BaseException:
-                ctx._abort_launch(group)  # every rank the server started is killed
+                # Every rank the server started is killed (abort adopts the
+                # last one if it was not watched yet).
+                try:
+                    group.drop_unstarted()
+                finally:
+                    abort()
                 raise
             group.drop_unstarted()
+
+
+class ForkserverLaunch(Launch):
+    """``forkserver``: this process's forkserver (started on first use) forks
+    every rank; the launcher gets the pids and watches them."""
+
+    method = "forkserver"
+
+    def __init__(self, name: str, fn: Callable[..., Any], args: Mapping[int, tuple[Any, ...]],
+                 envs: Mapping[int, Mapping[str, Any]]) -> None:
+        check_picklable(self.method, fn, args)
+        self.name = name
+        self.fn = fn
+        self.args = args
+        self.envs = envs
+
+    def launch(self, group: _core.Group, streams: Sequence[RankStreams], bindings: Mapping[int, _core.Binding],
+               abort: Callable[[], None]) -> None:
+        alias_main_for_workers()
+        get_forkserver().launch(group, streams, self.fn, self.args, self.envs, bindings, abort)
+
+    def release(self, pids: list[int]) -> None:
+        if pids:
+            get_forkserver().release(pids)
+
+    def lost_status_reason(self) -> str | None:
+        return "its exit status was lost: the forkserver that started it died"
 
 
 _server: ForkServer | None = None

@@ -1,0 +1,49 @@
+"""A rank's environment, built once per start method: ``envp`` entries for an
+exec, a name -> value dict for a forkserver worker, ``os.environ`` itself for
+a forked one.  Every variable is encoded by ``_inputs._encode_env_item``, so
+the three agree byte for byte."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from torchmp._inputs import _encode_env_item
+
+
+def launcher_environ() -> dict[bytes, bytes]:
+    """The launcher's environment as ready envp entries (b"K=V"), by name."""
+    data = getattr(os.environb, "_data", None)
+    # os.environb's own dict, read at C speed; iterating the mapping costs a
+    # Python-level call per variable.
+    items = data.items() if isinstance(data, dict) else os.environb.items()
+    return {k: k + b"=" + v for k, v in items}
+
+
+def exec_env(rank: int, overrides: Mapping[Any, Any], base: dict[bytes, bytes] | None = None) -> list[bytes]:
+    """The launcher's environment (or base, a launcher_environ() snapshot
+    taken once per launch) with envs[rank] on top, as envp entries."""
+    entries = launcher_environ() if base is None else dict(base)
+    for key, value in overrides.items():
+        kb, vb = _encode_env_item(rank, key, value)
+        entries[kb] = kb + b"=" + vb
+    return list(entries.values())
+
+
+def rank_environb(rank: int, overrides: Mapping[Any, Any]) -> dict[bytes, bytes]:
+    """The launcher's environment with envs[rank] on top, name -> value (what
+    a forkserver worker sets as its os.environb)."""
+    env = dict(os.environb)
+    for key, value in overrides.items():
+        kb, vb = _encode_env_item(rank, key, value)
+        env[kb] = vb
+    return env
+
+
+def apply_rank_env(rank: int, overrides: Mapping[Any, Any]) -> None:
+    """Put envs[rank] into this process's environment (a forked worker, whose
+    environment is the launcher's already)."""
+    for key, value in overrides.items():
+        kb, vb = _encode_env_item(rank, key, value)
+        os.environb[kb] = vb

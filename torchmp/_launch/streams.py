@@ -1,0 +1,43 @@
+"""How a rank's streams are wired, as every launch takes them: the native
+core's ``StreamSpec`` records, and the log files they point at."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+from torchmp import _core
+
+_LOG_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+
+#: The worker inherits the launcher's stream.
+NO_STREAM = _core.StreamSpec(_core.STREAM_INHERIT, -1, -1, None)
+#: A function worker's return channel: the I/O thread keeps what it writes.
+RETURN_CHANNEL = _core.StreamSpec(_core.STREAM_CAPTURE, -1, -1, None)
+
+#: A rank's (stdout, stderr) as the native core is to wire them.
+RankStreams = tuple[_core.StreamSpec, _core.StreamSpec]
+
+
+def open_log(path: str) -> int:
+    """Open a log file for a worker: truncate, never through a symlink
+    planted in the log directory, never block on a FIFO planted there, mode
+    from the umask.  Character devices (/dev/null) are fine."""
+    try:
+        fd = os.open(path, _LOG_FLAGS | os.O_NONBLOCK, 0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OSError(e.errno, f"refusing to follow a symlink for a log file: {path}", path) from None
+        if e.errno == errno.ENXIO:
+            raise OSError(e.errno, f"refusing a FIFO as a log file: {path}", path) from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISCHR(mode)):
+            raise OSError(errno.EINVAL, f"a log file must be a regular file or a device: {path}", path)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
