@@ -73,7 +73,7 @@ if COVERAGE:
 C_SOURCES = [
     "csrc/spawn.c", "csrc/framer.c", "csrc/console.c", "csrc/console_target.c", "csrc/poller.c",
     "csrc/loop_streams.c", "csrc/loop_feeds.c", "csrc/loop_consoles.c", "csrc/loop_reap.c",
-    "csrc/loop_groups.c", "csrc/loop_thread.c",
+    "csrc/loop_groups.c", "csrc/loop_thread.c", "csrc/loop_commands.c", "csrc/command.c", "csrc/notifier.c",
     "csrc/keeper.c", "csrc/procscan.c", "csrc/bind.c",
 ]
 
@@ -86,7 +86,7 @@ extension = Extension(
     extra_compile_args=compile_args,
     extra_link_args=link_args,
     depends=["csrc/torchmp.h", "csrc/loop_internal.h", "csrc/console_internal.h", "csrc/ctorchmp.pxd",
-             "csrc/specs.pxi", "csrc/group.pxi"]
+             "csrc/specs.pxi", "csrc/group.pxi", "csrc/command.pxi"]
     + C_SOURCES,
 )
 

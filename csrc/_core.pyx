@@ -11,7 +11,7 @@ from libc.errno cimport errno, EINTR
 from libc.stdint cimport int64_t, uint64_t
 from cpython.buffer cimport PyBuffer_FillInfo
 from libc.stdlib cimport calloc, free, malloc, realloc
-from libc.string cimport memchr, memset, strerror
+from libc.string cimport memchr, memcpy, memset, strerror
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 from posix.unistd cimport getpid, fork, close as c_close, _exit, write as c_write
 
@@ -301,6 +301,9 @@ Binding = _collections.namedtuple("Binding", [
     "mems",        # NUMA node ids (sorted tuple); () for no memory policy
 ])
 Binding.__module__ = __name__
+
+include "command.pxi"
+
 
 cdef class QueueConsole:
     """A console whose framed lines are taken by Python (for a sys.stdout /

@@ -10,6 +10,7 @@ cdef extern from "torchmp.h" nogil:
         TORCHMP_STEP_EXEC
         TORCHMP_STEP_AFFINITY
         TORCHMP_STEP_MEMPOLICY
+        TORCHMP_STEP_CHDIR
         TORCHMP_STEP__COUNT
 
     ctypedef struct torchmp_spawn_error:
@@ -29,9 +30,13 @@ cdef extern from "torchmp.h" nogil:
 
     ctypedef struct torchmp_spawn_args:
         const char *path
+        char *const *exec_paths
         char *const *argv
         char *const *envp
+        const char *cwd
         int child_fds[5]
+        const int *keep_fds
+        int nkeep
         int use_vfork
         int pdeathsig
         pid_t parent_pid
@@ -197,3 +202,65 @@ cdef extern from "torchmp.h" nogil:
     int torchmp_pgroups_alive(const pid_t *pgids, int n, unsigned char *alive)
     int torchmp_group_finish_streams(torchmp_group *g)
     void torchmp_group_release(torchmp_group *g)
+
+    # notifier.c
+    ctypedef struct torchmp_notifier:
+        pass
+    enum:
+        TORCHMP_NOTE_EXITED
+        TORCHMP_NOTE_DONE
+        TORCHMP_NOTE_CHANGED
+    ctypedef struct torchmp_note:
+        uint64_t token
+        int what
+    torchmp_notifier *torchmp_notifier_new()
+    void torchmp_notifier_unref(torchmp_notifier *n)
+    int torchmp_notifier_fd(const torchmp_notifier *n)
+    torchmp_note *torchmp_notifier_take(torchmp_notifier *n, size_t *count, int *overflow)
+    int torchmp_group_watch(torchmp_group *g, torchmp_notifier *n, uint64_t token)
+    void torchmp_group_unwatch(torchmp_group *g, torchmp_notifier *n)
+
+    # command.c, loop_commands.c
+    ctypedef struct torchmp_command:
+        pass
+    enum:
+        TORCHMP_IO_INHERIT
+        TORCHMP_IO_FD
+        TORCHMP_IO_PIPE
+        TORCHMP_IO_STDOUT
+    ctypedef struct torchmp_command_spec:
+        torchmp_spawn_args args
+        int io[3]
+        int fd[3]
+        size_t max_output
+        int64_t drain_ns
+    enum:
+        TORCHMP_CMD_EXITED
+        TORCHMP_CMD_DONE
+        TORCHMP_CMD_REAPED
+        TORCHMP_CMD_WATCHED
+    enum:
+        TORCHMP_UNTIL_EXITED
+        TORCHMP_UNTIL_DONE
+    ctypedef struct torchmp_command_info:
+        pid_t pid
+        int state
+        int wait_status
+        int status_lost
+        int64_t start_mono_ns
+        int64_t exit_mono_ns
+        int64_t utime_ns
+        int64_t stime_ns
+        int64_t maxrss_kb
+    torchmp_command *torchmp_command_start(const torchmp_command_spec *spec, torchmp_spawn_error *err)
+    void torchmp_command_release(torchmp_command *c)
+    int torchmp_command_wait(torchmp_command *c, int64_t timeout_ns, int until)
+    int torchmp_command_watch(torchmp_command *c, torchmp_notifier *n, uint64_t token)
+    void torchmp_command_info_get(torchmp_command *c, torchmp_command_info *out)
+    int torchmp_command_killpg(torchmp_command *c, int sig)
+    int torchmp_command_busy(torchmp_command *c)
+    int torchmp_command_reap(torchmp_command *c)
+    int torchmp_command_output(torchmp_command *c, int which, const char **head, size_t *head_len, char **tail,
+                               size_t *tail_len, uint64_t *total, int *lost_errno)
+    int torchmp_backend_choice()
+    void torchmp_procscan_init()

@@ -594,6 +594,19 @@ cdef class Group:
         finally:
             self._leave()
 
+    def watch(self, Notifier notifier not None, uint64_t token):
+        """Post NOTE_CHANGED with token to notifier whenever the change
+        counter moves or the group is released (until unwatch)."""
+        self._ours()
+        if notifier.n == NULL:
+            raise ValueError("notifier is closed")
+        check(torchmp_group_watch(self.g, notifier.n, token), b"watching the group")
+
+    def unwatch(self, Notifier notifier not None):
+        if self.g == NULL or notifier.n == NULL:
+            return
+        torchmp_group_unwatch(self.g, notifier.n)
+
     def killpg(self, int sig):
         """Send sig to the process group of every rank whose group id is
         still pinned (its leader running, or a zombie not reaped yet)."""

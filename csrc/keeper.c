@@ -190,17 +190,23 @@ pid_t torchmp_keeper_pid(void)
     return (pid_t)__atomic_load_n(&keeper_table[0], __ATOMIC_ACQUIRE);
 }
 
+/* Any thread may add and remove (the I/O thread for ranks, callers of
+ * torchmp.run for their commands): a slot is claimed with a compare-and-swap,
+ * and the search hint is only a hint. */
 int torchmp_keeper_add(pid_t pgid)
 {
+    int hint;
     if (keeper_table == NULL || keeper_owner != getpid() || pgid <= 1)
         return 0;
+    hint = __atomic_load_n(&keeper_hint, __ATOMIC_RELAXED);
     for (int n = 0; n < KEEPER_SLOTS - 1; n++) {
-        int i = keeper_hint + n;
+        int i = hint + n;
+        int32_t free_slot = 0;
         if (i >= KEEPER_SLOTS)
             i -= KEEPER_SLOTS - 1;
-        if (keeper_table[i] == 0) {
-            __atomic_store_n(&keeper_table[i], (int32_t)pgid, __ATOMIC_RELEASE);
-            keeper_hint = i + 1 < KEEPER_SLOTS ? i + 1 : 1;
+        if (__atomic_compare_exchange_n(&keeper_table[i], &free_slot, (int32_t)pgid, 0, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_RELAXED)) {
+            __atomic_store_n(&keeper_hint, i + 1 < KEEPER_SLOTS ? i + 1 : 1, __ATOMIC_RELAXED);
             return i;
         }
     }
@@ -212,6 +218,6 @@ void torchmp_keeper_remove(int slot)
     if (keeper_table == NULL || keeper_owner != getpid() || slot <= 0 || slot >= KEEPER_SLOTS)
         return;
     __atomic_store_n(&keeper_table[slot], 0, __ATOMIC_RELEASE);
-    if (slot < keeper_hint)
-        keeper_hint = slot;
+    if (slot < __atomic_load_n(&keeper_hint, __ATOMIC_RELAXED))
+        __atomic_store_n(&keeper_hint, slot, __ATOMIC_RELAXED);
 }

@@ -183,6 +183,12 @@ void torchmp_loop_group_free(torchmp_group *g)
         if (g->has_filters[w])
             filters_free(&g->filters[w]);
     }
+    while (g->watchers != NULL) {
+        group_watcher *w = g->watchers;
+        g->watchers = w->next;
+        torchmp_notifier_unref(w->notifier);
+        free(w);
+    }
     free(g->procs);
     free(g);
 }

@@ -17,6 +17,9 @@
  *                   as commands for the thread, and what Python reads of them
  *   loop_thread.c   the thread: wake-up channels, SIGCHLD, the command queue,
  *                   the poller loop, loop creation (again after a fork)
+ *   loop_commands.c torchmp.run's commands the thread watches (command.c has
+ *                   the rest of a command: it is started and may be waited
+ *                   for outside the thread too)
  *
  * Locking: `mu` guards the command queue and every field Python reads (the
  * rank states).  Streams and the group list belong to the loop thread alone.
@@ -60,7 +63,7 @@
 
 /* What a watch in the I/O thread's set is: the first int of its pointer.  The
  * pidfds in the exits set point at their torchmp_proc directly. */
-enum watch_kind { WATCH_CONTROL = 1, WATCH_STREAM = 2, WATCH_EXITS = 3, WATCH_CONSOLE = 4 };
+enum watch_kind { WATCH_CONTROL = 1, WATCH_STREAM = 2, WATCH_EXITS = 3, WATCH_CONSOLE = 4, WATCH_COMMAND = 5 };
 
 /* A console the loop writes to (console.c): the launcher's fd 1 or 2, one
  * per target and shared by every stream teed there, or a queue console of
@@ -197,6 +200,7 @@ struct torchmp_group {
     /* Callers sleeping in torchmp_group_wait, each on a wake fd of its own:
      * a shared fd drained by one waiter could hide an exit from another. */
     struct group_waiter *waiters;  /* mu */
+    struct group_watcher *watchers;  /* mu: event loops to post to as well */
     int interrupted;           /* mu: torchmp_group_interrupt was called */
     int has_pipes;             /* caller thread: some stream is a pipe the loop drains */
     uint64_t version;          /* mu */
@@ -212,14 +216,22 @@ typedef struct group_waiter {
     struct group_waiter *next;
 } group_waiter;
 
+/* An event loop watching a group (torchmp_group_watch). */
+typedef struct group_watcher {
+    torchmp_notifier *notifier;
+    uint64_t token;
+    struct group_watcher *next;
+} group_watcher;
+
 enum cmd_type {
     CMD_SPAWN = 1, CMD_FINISH = 2, CMD_RELEASE = 3, CMD_PREPARE = 4, CMD_ADOPT = 5, CMD_DROP_UNSTARTED = 6,
-    CMD_SAY = 7
+    CMD_SAY = 7, CMD_WATCH_COMMAND = 8
 };
 
 typedef struct command {
     int type;
     torchmp_group *group;
+    struct torchmp_command *cmd;  /* WATCH_COMMAND */
     torchmp_rank_spec *specs;  /* SPAWN, PREPARE */
     int count;
     const int *ranks;          /* ADOPT */
@@ -269,7 +281,53 @@ typedef struct torchmp_loop {
     int consoles_polled;       /* some console waits on a timer, not the poller */
     int use_vfork;
     long max_fd;
+    struct torchmp_command *commands;  /* loop thread: the commands it watches */
 } torchmp_loop;
+
+/* ---- commands (command.c, loop_commands.c) ------------------------------ */
+
+/* A stream's output, bounded: the first head_limit bytes, then a ring of
+ * the last ring_cap bytes after them.  total counts everything read. */
+typedef struct {
+    char *head;
+    size_t head_len, head_cap, head_limit;
+    char *ring;
+    size_t ring_cap, ring_len, ring_end;  /* ring_end: where the next byte goes */
+    uint64_t total;
+    int lost_errno;            /* ENOMEM: bytes that should have been kept were not */
+} capture;
+
+/* One fd of a command in the loop's poller: which = 0 (its pidfd), 1 or 2
+ * (its stdout / stderr pipe). */
+typedef struct command_watch {
+    int kind;                  /* WATCH_COMMAND: first member, for dispatch */
+    int which;
+    struct torchmp_command *cmd;
+} command_watch;
+
+struct torchmp_command {
+    pid_t pid;
+    int pidfd;                 /* -1: none (poll backend, portable build) */
+    int fd[2];                 /* read ends of the stdout / stderr pipes; -1: none or closed */
+    capture cap[2];
+    int64_t drain_ns;
+    int64_t start_ns, exit_ns, drain_until_ns;
+    int status;
+    int status_lost;
+    int64_t utime_ns, stime_ns, maxrss_kb;
+    int keeper_slot;           /* in the keeper's table, 0: none */
+    int state;                 /* TORCHMP_CMD_* bits (atomic: read by any thread) */
+    int refs;                  /* atomic: the caller's, and the loop's while it watches */
+    /* set before the loop watches it, then the loop's */
+    torchmp_notifier *notifier;
+    uint64_t token;
+    int orphan;                /* atomic: nobody waits any more; the loop reaps it */
+    int reap_claimed;          /* atomic: whoever sets it first reaps the zombie (exactly once) */
+    int loop_linked;           /* loop thread: on L->commands */
+    command_watch watch[3];
+    command msg;               /* the WATCH_COMMAND hand-over (the loop's reference keeps it) */
+    struct torchmp_command *next, *prev;  /* L->commands */
+};
 
 /* ---- small helpers ------------------------------------------------------ */
 
@@ -352,6 +410,30 @@ void torchmp_loop_proc_exit_event(torchmp_loop *L, torchmp_proc *p);
 void torchmp_loop_proc_forkserver_exit(torchmp_loop *L, torchmp_proc *p, int at_eof);
 void torchmp_loop_reap_scan(torchmp_loop *L);
 void torchmp_loop_proc_reap_locked(torchmp_proc *p);
+
+/* ---- command.c (shared with the loop thread) ----------------------------- */
+
+/* Read what the pipe has now into its capture; 1 bytes read, 0 EOF (the
+ * pipe is still open: the caller closes it), -1 nothing (EAGAIN) or an error. */
+int torchmp_command_pump(torchmp_command *c, int w, char *scratch, size_t scratch_len);
+/* Record the exit if the leader has exited (1), else 0. */
+int torchmp_command_collect(torchmp_command *c);
+/* Close stdout / stderr's read end. */
+void torchmp_command_close_pipe(torchmp_command *c, int w);
+void torchmp_command_set_state(torchmp_command *c, int bits);
+int torchmp_command_state(torchmp_command *c);
+/* Reap the exited leader's zombie unless somebody already did or is doing
+ * it (exactly once, whichever thread gets there first). */
+void torchmp_command_reap_once(torchmp_command *c);
+void torchmp_command_unref(torchmp_command *c);
+
+/* ---- loop_commands.c ---------------------------------------------------- */
+
+void torchmp_loop_command_add(torchmp_loop *L, torchmp_command *c);
+void torchmp_loop_command_event(torchmp_loop *L, command_watch *w);
+void torchmp_loop_commands_scan(torchmp_loop *L);
+void torchmp_loop_commands_tick(torchmp_loop *L);
+int torchmp_loop_commands_timeout_ms(torchmp_loop *L);
 
 /* ---- loop_groups.c ------------------------------------------------------ */
 

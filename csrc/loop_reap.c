@@ -26,6 +26,8 @@ static void group_notify_locked(torchmp_group *g)
 {
     for (group_waiter *w = g->waiters; w != NULL; w = w->next)
         torchmp_loop_notify_post(w->wake_w);
+    for (group_watcher *w = g->watchers; w != NULL; w = w->next)
+        torchmp_notifier_post(w->notifier, w->token, TORCHMP_NOTE_CHANGED);
 }
 
 static int64_t timeval_ns(struct timeval tv)
@@ -299,6 +301,40 @@ static void waiter_unlink_locked(torchmp_group *g, group_waiter *me)
             *link = me->next;
             return;
         }
+    }
+}
+
+int torchmp_group_watch(torchmp_group *g, torchmp_notifier *n, uint64_t token)
+{
+    torchmp_loop *L = g->loop;
+    group_watcher *w = calloc(1, sizeof(*w));
+    if (w == NULL)
+        return -1;
+    w->notifier = torchmp_notifier_ref(n);
+    w->token = token;
+    pthread_mutex_lock(&L->mu);
+    w->next = g->watchers;
+    g->watchers = w;
+    pthread_mutex_unlock(&L->mu);
+    return 0;
+}
+
+void torchmp_group_unwatch(torchmp_group *g, torchmp_notifier *n)
+{
+    torchmp_loop *L = g->loop;
+    group_watcher *gone = NULL;
+    pthread_mutex_lock(&L->mu);
+    for (group_watcher **link = &g->watchers; *link != NULL; link = &(*link)->next) {
+        if ((*link)->notifier == n) {
+            gone = *link;
+            *link = gone->next;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&L->mu);
+    if (gone != NULL) {
+        torchmp_notifier_unref(gone->notifier);
+        free(gone);
     }
 }
 

@@ -174,6 +174,11 @@ static void run_commands(torchmp_loop *L)
             }
             c->result = 0;
             break;
+        case CMD_WATCH_COMMAND:
+            /* The message lives in the command, which the loop now holds a
+             * reference to; nobody waits for it. */
+            torchmp_loop_command_add(L, c->cmd);
+            continue;
         case CMD_RELEASE:
             c->group->released = 1;
             /* Python signals the group no more: let its zombies go. */
@@ -203,7 +208,10 @@ static void *loop_main(void *arg)
 
     for (;;) {
         int timeout = torchmp_loop_streams_timeout_ms(L);
+        int commands_timeout = torchmp_loop_commands_timeout_ms(L);
         int n;
+        if (commands_timeout >= 0 && (timeout < 0 || commands_timeout < timeout))
+            timeout = commands_timeout;
         if (L->consoles_polled && (timeout < 0 || timeout > 10))
             timeout = 10;
         if (L->catch_up_more)
@@ -223,14 +231,18 @@ static void *loop_main(void *arg)
                 run_commands(L);
                 /* After the commands: a worker adopted just now may already
                  * have exited, its SIGCHLD spent on this very wake-up. */
-                if (L->backend == TORCHMP_BACKEND_POLL)
+                if (L->backend == TORCHMP_BACKEND_POLL) {
                     torchmp_loop_reap_scan(L);
+                    torchmp_loop_commands_scan(L);
+                }
             } else if (kind == WATCH_STREAM) {
                 stream *s = events[i].ptr;
                 if (s->fd >= 0)
                     torchmp_loop_stream_pump(L, s, -1);
             } else if (kind == WATCH_CONSOLE) {
                 torchmp_loop_console_entry_writable(L, events[i].ptr);
+            } else if (kind == WATCH_COMMAND) {
+                torchmp_loop_command_event(L, events[i].ptr);
             } else if (kind == WATCH_EXITS) {
                 /* Level-triggered: exits beyond MAX_EVENTS show up next round. */
                 int m = torchmp_poller_wait(L->exits, exit_events, MAX_EVENTS, 0);
@@ -239,6 +251,7 @@ static void *loop_main(void *arg)
             }
         }
         torchmp_loop_streams_tick(L);
+        torchmp_loop_commands_tick(L);
         if (L->consoles_polled)
             L->consoles_polled = torchmp_loop_consoles_poll(L);
         if (L->held_feeds > 0 || L->said_entries > 0)
@@ -266,11 +279,20 @@ static int choose_backend(void)
     return TORCHMP_BACKEND_POLL;
 }
 
+int torchmp_backend_choice(void)
+{
+    /* Once per process (a forked child inherits the answer, which holds
+     * there too); the GIL serialises the first calls. */
+    static int choice;
+    if (choice == 0)
+        choice = choose_backend();
+    return choice;
+}
+
 static torchmp_loop *loop_create(void)
 {
     torchmp_loop *L = calloc(1, sizeof(*L));
     sigset_t all, old;
-    const char *no_vfork;
     int saved;
 
     if (L == NULL)
@@ -279,18 +301,12 @@ static torchmp_loop *loop_create(void)
     L->exits_kind = WATCH_EXITS;
     L->owner_pid = getpid();
     L->wake_r = L->wake_w = -1;
-    L->backend = choose_backend();
+    L->backend = torchmp_backend_choice();
     L->pipe_budget = PIPE_GROWTH_BUDGET;
     L->max_fd = sysconf(_SC_OPEN_MAX);
     if (L->max_fd <= 0 || L->max_fd > (1L << 20))
         L->max_fd = 1L << 20;
-    no_vfork = getenv("TORCHMP_NO_VFORK");
-#ifdef TORCHMP_HAVE_VFORK
-    L->use_vfork = !(no_vfork != NULL && no_vfork[0] != '\0' && strcmp(no_vfork, "0") != 0);
-#else
-    (void)no_vfork;
-    L->use_vfork = 0;
-#endif
+    L->use_vfork = torchmp_vfork_enabled();
 
     L->readbuf = malloc(READ_CHUNK);
     L->console_scratch = malloc(SCRATCH_SIZE);

@@ -53,6 +53,8 @@ static const char *const step_names[TORCHMP_STEP__COUNT] = {
     [TORCHMP_STEP_DUP_FD] = "dup2 of the return channel or payload",
     [TORCHMP_STEP_AFFINITY] = "sched_setaffinity (CPU binding)",
     [TORCHMP_STEP_MEMPOLICY] = "set_mempolicy (memory binding)",
+    [TORCHMP_STEP_CHDIR] = "chdir",
+    [TORCHMP_STEP_KEEP_FDS] = "keeping pass_fds open",
 };
 
 int torchmp_pipe_cloexec(int fds[2])
@@ -103,19 +105,46 @@ __attribute__((noreturn)) static void child_fail(int errpipe, int step, int errn
     _exit(127);
 }
 
-/* Close every fd >= lowest except keep (which may be -1). */
-static int child_close_fds(int lowest, int keep, long max_fd)
+/* Whether fd is among the sorted keep list. */
+static int fd_kept(const int *keep, int nkeep, int fd)
+{
+    int lo = 0, hi = nkeep;
+    while (lo < hi) {
+        int mid = lo + (hi - lo) / 2;
+        if (keep[mid] == fd)
+            return 1;
+        if (keep[mid] < fd)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return 0;
+}
+
+/* Close every fd >= lowest except keep_fd (which may be -1) and the sorted
+ * keep list (close_range over the gaps between them). */
+static int child_close_fds(int lowest, int keep_fd, const int *keep, int nkeep, long max_fd)
 {
 #ifdef TORCHMP_HAVE_CLOSE_RANGE
     {
-        int rc = 0;
-        if (keep >= lowest) {
-            if (keep > lowest)
-                rc = (int)syscall(SYS_close_range, (unsigned int)lowest, (unsigned int)keep - 1, 0);
-            if (rc == 0)
-                rc = (int)syscall(SYS_close_range, (unsigned int)keep + 1, ~0U, 0);
-        } else {
-            rc = (int)syscall(SYS_close_range, (unsigned int)lowest, ~0U, 0);
+        int start = lowest, k = 0, rc = 0;
+        for (;;) {
+            int next = -1;
+            while (k < nkeep && keep[k] < start)
+                k++;
+            if (k < nkeep)
+                next = keep[k];
+            if (keep_fd >= start && (next < 0 || keep_fd < next))
+                next = keep_fd;
+            if (next < 0) {
+                rc = (int)syscall(SYS_close_range, (unsigned int)start, ~0U, 0);
+                break;
+            }
+            if (next > start)
+                rc = (int)syscall(SYS_close_range, (unsigned int)start, (unsigned int)next - 1, 0);
+            if (rc != 0)
+                break;
+            start = next + 1;
         }
         if (rc == 0)
             return 0;
@@ -145,7 +174,7 @@ static int child_close_fds(int lowest, int keep, long max_fd)
                     if (name[0] >= '0' && name[0] <= '9') {
                         for (const char *c = name; *c >= '0' && *c <= '9'; c++)
                             fd = fd * 10 + (*c - '0');
-                        if (fd >= lowest && fd != dirfd && fd != keep)
+                        if (fd >= lowest && fd != dirfd && fd != keep_fd && !fd_kept(keep, nkeep, fd))
                             close(fd);
                     }
                     off += reclen;
@@ -159,7 +188,7 @@ static int child_close_fds(int lowest, int keep, long max_fd)
 #endif
 
     for (long fd = lowest; fd < max_fd; fd++) {
-        if (fd != keep)
+        if (fd != keep_fd && !fd_kept(keep, nkeep, (int)fd))
             close((int)fd);
     }
     return 0;
@@ -207,11 +236,17 @@ int torchmp_child_setup(const torchmp_spawn_args *a, int keep_fd, int close_othe
     if (close_others) {
         /* Slots 3.. of the plan that were not asked for are closed too. */
         for (int i = 3; i < TORCHMP_CHILD_FDS; i++) {
-            if (src[i] < 0)
+            if (src[i] < 0 && !fd_kept(a->keep_fds, a->nkeep, i))
                 close(i);
         }
-        if (child_close_fds(TORCHMP_CHILD_FDS, keep_fd, a->max_fd) != 0)
+        if (child_close_fds(TORCHMP_CHILD_FDS, keep_fd, a->keep_fds, a->nkeep, a->max_fd) != 0)
             return TORCHMP_STEP_CLOSE_FDS;
+    }
+    /* pass_fds stay open across exec, at their own numbers. */
+    for (int k = 0; k < a->nkeep; k++) {
+        int flags = fcntl(a->keep_fds[k], F_GETFD);
+        if (flags < 0 || ((flags & FD_CLOEXEC) && fcntl(a->keep_fds[k], F_SETFD, flags & ~FD_CLOEXEC) != 0))
+            return TORCHMP_STEP_KEEP_FDS;
     }
     /* Last, with stderr in place: a forked worker's report of a refused
      * binding lands in its own log. */
@@ -222,6 +257,7 @@ __attribute__((noreturn, noinline)) static void child_exec(const torchmp_spawn_a
 {
     sigset_t empty;
     struct sigaction dfl;
+    char *const *envp;
     int step;
 
     /* Signals are blocked in the caller across fork.  A handler left armed
@@ -240,12 +276,25 @@ __attribute__((noreturn, noinline)) static void child_exec(const torchmp_spawn_a
     step = torchmp_child_setup(a, errpipe, 1);
     if (step != 0)
         child_fail(errpipe, step, errno);
+    if (a->cwd != NULL && chdir(a->cwd) != 0)
+        child_fail(errpipe, TORCHMP_STEP_CHDIR, errno);
 
     sigemptyset(&empty);
     if (sigprocmask(SIG_SETMASK, &empty, NULL) != 0)
         child_fail(errpipe, TORCHMP_STEP_SIGNALS, errno);
 
-    execve(a->path, a->argv, a->envp);
+    envp = a->envp != NULL ? a->envp : environ;
+    if (a->exec_paths != NULL) {
+        int first = 0, last = ENOENT;
+        for (char *const *p = a->exec_paths; *p != NULL; p++) {
+            execve(*p, a->argv, envp);
+            last = errno;
+            if (last != ENOENT && last != ENOTDIR && first == 0)
+                first = last;
+        }
+        child_fail(errpipe, TORCHMP_STEP_EXEC, first != 0 ? first : last);
+    }
+    execve(a->path, a->argv, envp);
     child_fail(errpipe, TORCHMP_STEP_EXEC, errno);
 }
 

@@ -27,6 +27,7 @@ PROC_EXITED: Final[int]
 STEP_EXEC: Final[int]
 STEP_AFFINITY: Final[int]
 STEP_MEMPOLICY: Final[int]
+STEP_CHDIR: Final[int]
 STEP_COUNT: Final[int]
 
 EXIT_TRAILER_MAGIC: Final[str]
@@ -170,3 +171,69 @@ class Group:
     def busy(self) -> list[int]: ...
     def reap(self) -> list[int]: ...
     def finish_streams(self) -> None: ...
+    def watch(self, notifier: Notifier, token: int) -> None: ...
+    def unwatch(self, notifier: Notifier) -> None: ...
+
+# Commands (torchmp.run, run_async) and the notifier an event loop is woken through.
+IO_INHERIT: Final[int]
+IO_PIPE: Final[int]
+IO_STDOUT: Final[int]
+CMD_EXITED: Final[int]
+CMD_DONE: Final[int]
+CMD_REAPED: Final[int]
+CMD_WATCHED: Final[int]
+UNTIL_EXITED: Final[int]
+UNTIL_DONE: Final[int]
+NOTE_EXITED: Final[int]
+NOTE_DONE: Final[int]
+NOTE_CHANGED: Final[int]
+
+def backend_choice() -> str: ...
+
+class CommandInfo(NamedTuple):
+    """One command as Command.info() saw it."""
+
+    pid: int
+    state: int
+    wait_status: int
+    status_lost: bool
+    start_mono_ns: int
+    exit_mono_ns: int
+    utime_ns: int
+    stime_ns: int
+    maxrss_kb: int
+
+class Notifier:
+    def fileno(self) -> int: ...
+    def close(self) -> None: ...
+    def take(self) -> tuple[list[tuple[int, int]], bool]: ...
+
+class Command:
+    @property
+    def pid(self) -> int: ...
+    @property
+    def state(self) -> int: ...
+    def close(self) -> None: ...
+    def info(self) -> CommandInfo: ...
+    def watch(self, notifier: Notifier, token: int) -> None: ...
+    def wait(self, timeout: float, until: int) -> bool: ...
+    def killpg(self, sig: int) -> None: ...
+    def busy(self) -> bool: ...
+    def reap(self) -> None: ...
+    def output(self, which: int) -> tuple[bytes, bytes, int, int]: ...
+
+def start_command(
+    program: bytes,
+    argv: list[bytes],
+    envp: list[bytes] | None,
+    search_path: bytes | None,
+    cwd: bytes | None,
+    stdin: int,
+    stdout: int,
+    stderr: int,
+    pass_fds: tuple[int, ...],
+    max_output: int,
+    drain: float,
+    filename: object,
+    cwd_name: object,
+) -> Command: ...
