@@ -6,23 +6,23 @@ from __future__ import annotations
 
 import abc
 import atexit
-import errno
 import logging
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Generator, Mapping, Sized
+from typing import Any, cast
 
-from torchmp import _console, _core, _oom, _placement
+from torchmp import _console, _core, _oom, _placement, _shutdown
 from torchmp._launch import Launch, adopt_interrupted
-from torchmp._launch.streams import NO_STREAM, RankStreams, open_log
+from torchmp._launch.streams import NO_STREAM, RankStreams, ensure_fd_budget, open_log
 from torchmp._inputs import (
     DEFAULT_STDERR_TAIL_LINES, TAIL_BYTES_PER_LINE, _check_filters, _check_name, _check_prefixes,
     _normalize_args, _normalize_envs,
 )
 from torchmp._pcontext import PContext, ResourceUsage, RunProcsResult, exitcode
+from torchmp._shutdown import KILL_GRACE_SECONDS as KILL_GRACE_SECONDS
 from torchmp._signals import close_despite_interrupts
 from torchmp.errors import ProcessFailure, root_cause
 from torchmp._tails import _file_tail, rank_tail
@@ -30,11 +30,6 @@ from torchmp.logs_specs import LogsSpecs
 
 # torch's contexts log as its api module; so do torchmp's.
 logger = logging.getLogger("torchmp.api")
-
-# How long close() waits for a SIGKILLed worker before abandoning it: a worker
-# in uninterruptible sleep (D state, e.g. wedged on a device) cannot be reaped,
-# and the launcher must not hang on it.
-KILL_GRACE_SECONDS = 5.0
 
 
 class _NativeContext(PContext):
@@ -105,6 +100,8 @@ class _NativeContext(PContext):
         self._tails: dict[int, tuple[bytes, bool]] = {}
         # The OOM killer's count at start, to name its kills (None: unknown).
         self._oom_watch: _oom.OomWatch | None = None
+        # Whether close() found a SIGKILL torchmp did not send, to explain.
+        self._oom_suspects = False
 
     @property
     def bindings(self) -> dict[int, _core.Binding]:
@@ -195,28 +192,7 @@ class _NativeContext(PContext):
         return needed + self._fds_per_rank * self.nprocs
 
     def _ensure_fd_budget(self) -> None:
-        """Raise the soft RLIMIT_NOFILE if this context needs it, or fail
-        with a clear error before anything starts (a launch that runs out of
-        fds half-way would have to tear down what it started)."""
-        try:
-            import resource
-
-            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-            in_use = len(os.listdir("/proc/self/fd"))
-        except (ImportError, OSError):
-            return
-        needed = in_use + self._fds_needed()
-        if soft == resource.RLIM_INFINITY or needed <= soft:
-            return
-        if hard == resource.RLIM_INFINITY or needed <= hard:
-            new_soft = needed if hard == resource.RLIM_INFINITY else min(hard, max(needed, 2 * soft))
-            resource.setrlimit(resource.RLIMIT_NOFILE, (new_soft, hard))
-            logger.info("raised the soft RLIMIT_NOFILE from %s to %s for %s ranks", soft, new_soft, self.nprocs)
-            return
-        raise OSError(
-            errno.EMFILE,
-            f"starting {self.nprocs} ranks needs about {needed} open files but RLIMIT_NOFILE is "
-            f"{soft} (hard {hard}); raise it (ulimit -n) or tee fewer streams")
+        ensure_fd_budget(self._fds_needed(), self.nprocs)
 
     def _start(self) -> None:
         if self._group is not None:
@@ -419,6 +395,41 @@ class _NativeContext(PContext):
             except ValueError:
                 pass  # closed by another thread or a handler: _poll has the result
 
+    async def wait_async(self, timeout: float | None = None, period: float = 1) -> RunProcsResult | None:
+        """``wait`` on an event loop (asyncio's, uvloop): the I/O thread wakes
+        the loop through one descriptor when an exit decides the result; a
+        fail-fast close() that follows awaits its grace period rather than
+        blocking the loop.  ``None`` after ``timeout`` seconds (None or
+        negative: no limit; 0: look once)."""
+        from torchmp import _aio
+
+        group = self._group
+        if group is None or self._result is not None or self._closed:
+            return self._poll()
+        deadline = None if timeout is None or timeout < 0 else time.monotonic() + timeout
+        watch = _aio.acquire()
+        try:
+            waiter = _aio.GroupWaiter(watch, group)
+            try:
+                while True:
+                    try:
+                        version = group.version()
+                    except ValueError:  # closed meanwhile
+                        break
+                    if self._result is not None or self._closed or self._decided(self._snapshot()[1]):
+                        break
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        return None
+                    await waiter.changed(version, remaining)
+            finally:
+                waiter.close()
+        finally:
+            _aio.release(watch)
+        if not self._closed:
+            await self._close_async(signal.SIGTERM, self.fail_fast_timeout)
+        return self._poll()
+
     def _wait_for(self, condition: Callable[[list[_core.ProcInfo]], bool],
                   timeout: float | None) -> list[_core.ProcInfo]:
         """Wait until condition(per-rank snapshot) holds, up to timeout
@@ -444,31 +455,6 @@ class _NativeContext(PContext):
         _, ranks = self._snapshot()
         return [r for r, info in enumerate(ranks) if info.state == _core.PROC_RUNNING]
 
-    # How often close() looks again at groups whose leader has exited but
-    # which still hold other processes (there is no event for a process
-    # group emptying): from 2 ms, doubling, to 50 ms.
-    _GROUP_POLL_FIRST = 0.002
-    _GROUP_POLL_MAX = 0.05
-
-    def _wait_groups(self, group: _core.Group, deadline: float) -> list[int]:
-        """Wait until every rank's process group is empty (leaders exited,
-        and nothing else left in their groups) or the deadline; returns the
-        ranks whose groups are still busy."""
-        nap = self._GROUP_POLL_FIRST
-        while True:
-            version = group.version()
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return group.busy()
-            if self._running():
-                group.wait(remaining, version)  # leaders first: their exits are events
-                continue
-            busy = group.busy()
-            if not busy:
-                return []
-            group.wait(min(nap, remaining), version)
-            nap = min(nap * 2, self._GROUP_POLL_MAX)
-
     def _send_signal(self, sig: int, ranks: list[int] | None) -> list[int]:
         try:  # (ValueError: released by a close() in another thread meanwhile)
             return [] if self._group is None or self._closed else self._group.send_signal(sig, ranks)
@@ -479,15 +465,42 @@ class _NativeContext(PContext):
         with self._close_lock:
             if self._group is None or self._closed:
                 return
+            group = self._group
             try:
-                self._close_group(self._group, death_sig, timeout)
+                killed = _shutdown.run_blocking(self._stop_steps(group, death_sig, timeout), group.wait)
+                self._after_stop(group, killed)
             except ValueError:
                 # A signal handler on this thread closed the context while
                 # this close waited: the group is down and released.
                 if not self._closed:
                     raise
 
-    def _close_group(self, group: _core.Group, death_sig: signal.Signals, timeout: float) -> None:
+    async def _close_async(self, death_sig: signal.Signals, timeout: float) -> None:
+        """close() on an event loop: its waits are awaited, not slept."""
+        from torchmp import _aio
+
+        while not self._close_lock.acquire(blocking=False):
+            await _aio.sleep(0.005)  # another thread is closing: it is done soon
+        try:
+            if self._group is None or self._closed:
+                return
+            group = self._group
+            try:
+                killed = await _aio.drive_group(self._stop_steps(group, death_sig, timeout), group)
+                self._after_stop(group, killed)
+            except ValueError:
+                if not self._closed:
+                    raise
+        finally:
+            self._close_lock.release()
+
+    def _stop_steps(self, group: _core.Group, death_sig: signal.Signals,
+                    timeout: float) -> Generator[_shutdown.Wait, None, bool]:
+        """The shutdown policy (torchmp._shutdown) over this context's ranks:
+        the grace period is each rank's whole group's -- a leader that is a
+        shell (sh -c 'python train.py') exits at once on SIGTERM while its
+        child is still saving a checkpoint.  Groups whose leader exited stay
+        signallable: the leader's zombie pins the group id until reap()."""
         # Workers an interrupted launch started but never got to watch.
         adopt_interrupted(group)
         _, ranks = group.snapshot()
@@ -496,44 +509,36 @@ class _NativeContext(PContext):
         self._terminated_by_launcher |= set(running)
         # (Only a rank that exited before this close can have died of a
         # SIGKILL torchmp did not send: the others it terminates.)
-        oom_suspects = self._oom_watch is not None and self._unsent_sigkills(ranks)
-        # The grace period is the whole group's: a leader that is a shell
-        # (sh -c 'python train.py') exits at once on SIGTERM while its child
-        # is still saving a checkpoint.  Groups whose leader exited stay
-        # signallable: the leader's zombie pins the group id until reap().
-        busy = group.busy()
-        signalled = bool(busy)
-        if busy:
-            # Signal first, then say so: no signal waits for a console.
-            group.killpg(int(death_sig))
+        self._oom_suspects = self._oom_watch is not None and self._unsent_sigkills(ranks)
+
+        def on_signal() -> None:  # (after the signal went out: no signal waits for a console)
             for rank in running:
                 logger.warning("Sending process %s closing signal %s", pids.get(rank), death_sig.name)
-            busy = self._wait_groups(group, time.monotonic() + max(0.0, float(timeout)))
-        if busy:
-            group.killpg(int(signal.SIGKILL))
+
+        def on_kill(busy: Sized) -> None:
             if death_sig != signal.SIGKILL:
-                for rank in busy:
+                for rank in cast("list[int]", busy):
                     logger.warning(
                         "Unable to shutdown process %s via %s, forcefully exiting via SIGKILL",
                         pids.get(rank), death_sig.name)
-            self._wait_groups(group, time.monotonic() + KILL_GRACE_SECONDS)
+
+        # The module's name, read now: tests shorten it.
+        return _shutdown.stop(_Ranks(self, group), death_sig, timeout, on_signal, on_kill, KILL_GRACE_SECONDS)
+
+    def _after_stop(self, group: _core.Group, killed: bool) -> None:
+        if killed:
             running = self._running()
             for rank in running:
                 logger.error(
                     "Process %s (local rank %s) did not exit %.1fs after SIGKILL; abandoning it. "
                     "It may be in uninterruptible sleep (wedged on a device); the I/O thread "
-                    "reaps it if it ever exits.", pids.get(rank), rank, KILL_GRACE_SECONDS)
+                    "reaps it if it ever exits.", self.pids().get(rank), rank, KILL_GRACE_SECONDS)
             self._abandoned = set(running)
-        # The last signal: whatever joined a group meanwhile.  Not needed if
-        # every group was found empty to begin with: only a member can add
-        # to a group.  After reap() no group id of this context is signalled
-        # again.
-        if signalled:
-            group.killpg(int(signal.SIGKILL))
         if self._oom_watch is not None:
             # While the zombies still pin the ranks' pids; a look only if
             # there is a SIGKILL to explain.
-            self._oom_watch.stop(oom_suspects)
+            self._oom_watch.stop(self._oom_suspects)
+        # After reap() no group id of this context is signalled again.
         self._launcher.release(group.reap())
         group.finish_streams()
         if self._forwarder is not None:
@@ -628,6 +633,26 @@ class _NativeContext(PContext):
                         age = file_age
             ages[rank] = age
         return ages
+
+
+class _Ranks:
+    """A context's ranks as the shutdown policy sees them."""
+
+    def __init__(self, ctx: _NativeContext, group: _core.Group) -> None:
+        self._ctx = ctx
+        self._group = group
+
+    def version(self) -> int:
+        return self._group.version()
+
+    def running(self) -> bool:
+        return bool(self._ctx._running())
+
+    def busy(self) -> list[int]:
+        return self._group.busy()
+
+    def killpg(self, sig: int) -> None:
+        self._group.killpg(sig)
 
 
 # Contexts started and not closed yet: closed the normal way (death signal,

@@ -184,6 +184,23 @@ class PContext(abc.ABC):
             nap = period if deadline is None else min(period, max(0.0, deadline - time.monotonic()))
             time.sleep(nap)
 
+    async def wait_async(self, timeout: float | None = None, period: float = 1) -> RunProcsResult | None:
+        """``wait`` on an event loop: ``None`` after ``timeout`` seconds (None
+        or negative: no limit).  torchmp's own contexts are woken by their
+        workers' exits; this base (for subclasses of the user's) looks every
+        ``period`` seconds, as ``wait`` does."""
+        import asyncio
+
+        deadline = None if timeout is None or timeout < 0 else time.monotonic() + timeout
+        while True:
+            result = self._poll()
+            if result is not None:
+                return result
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return None
+            await asyncio.sleep(period if remaining is None else min(period, remaining))
+
     @abc.abstractmethod
     def pids(self) -> dict[int, int]:
         raise NotImplementedError

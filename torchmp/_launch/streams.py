@@ -4,10 +4,13 @@ core's ``StreamSpec`` records, and the log files they point at."""
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat
 
 from torchmp import _core
+
+logger = logging.getLogger("torchmp.api")
 
 _LOG_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
 
@@ -41,3 +44,28 @@ def open_log(path: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def ensure_fd_budget(needed: int, nprocs: int) -> None:
+    """Raise the soft RLIMIT_NOFILE if a launch needs ``needed`` more fds, or
+    fail with a clear error before anything starts (a launch that runs out of
+    fds half-way would have to tear down what it started)."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        in_use = len(os.listdir("/proc/self/fd"))
+    except (ImportError, OSError):
+        return
+    needed += in_use
+    if soft == resource.RLIM_INFINITY or needed <= soft:
+        return
+    if hard == resource.RLIM_INFINITY or needed <= hard:
+        new_soft = needed if hard == resource.RLIM_INFINITY else min(hard, max(needed, 2 * soft))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new_soft, hard))
+        logger.info("raised the soft RLIMIT_NOFILE from %s to %s for %s ranks", soft, new_soft, nprocs)
+        return
+    raise OSError(
+        errno.EMFILE,
+        f"starting {nprocs} ranks needs about {needed} open files but RLIMIT_NOFILE is "
+        f"{soft} (hard {hard}); raise it (ulimit -n) or tee fewer streams")
