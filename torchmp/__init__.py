@@ -54,6 +54,9 @@ _EXPORTS = {
     "MultiprocessContext": "torchmp._functions",
     "NumaOptions": "torchmp.numa",
     "ProcessFailure": "torchmp.errors",
+    "CompletedProcess": "torchmp._run",
+    "run": "torchmp._run",
+    "run_async": "torchmp._run",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
@@ -75,6 +78,7 @@ def __dir__() -> list[str]:
 # Explicit "X as X" re-exports: __all__ is computed, so mypy cannot read it.
 if TYPE_CHECKING:
     from torchmp._functions import MultiprocessContext as MultiprocessContext
+    from torchmp._run import CompletedProcess as CompletedProcess, run as run, run_async as run_async
     from torchmp.api import (
         DefaultLogsSpecs as DefaultLogsSpecs,
         LogsDest as LogsDest,

@@ -1,0 +1,326 @@
+"""asyncio natively: ``await torchmp.run_async(...)`` (run's parameters and
+result) and ``await ctx.wait_async()``, on the default loop and uvloop.  The
+I/O thread wakes an event loop through one descriptor, however many
+commands are in flight; cancelling a task stops and reaps the command's
+whole process group before the cancellation goes on."""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+import torchmp
+from torchmp import DefaultLogsSpecs, Std
+from torchmp._launch.command import GRACE_SECONDS
+
+from helpers import kill_groups, launch, pid_alive, read_pids, wait_gone
+
+PY = sys.executable
+SLACK = 2.0
+
+
+def _loops():
+    yield pytest.param(asyncio.new_event_loop, id="asyncio")
+    try:
+        import uvloop
+    except ImportError:
+        yield pytest.param(None, id="uvloop", marks=pytest.mark.skip(reason="uvloop is not installed"))
+    else:
+        # libuv makes a process-wide pipe with its first loop (its signal
+        # lock), kept for the process's life: not a leak of a test's.
+        uvloop.new_event_loop().close()
+        yield pytest.param(uvloop.new_event_loop, id="uvloop")
+
+
+@pytest.fixture(params=list(_loops()))
+def arun(request):
+    """Run a coroutine to completion on a fresh loop of the kind asked for."""
+    factory = request.param
+
+    def run(coro, timeout: float = 120):
+        loop = factory()
+        try:
+            return loop.run_until_complete(asyncio.wait_for(coro, timeout))
+        finally:
+            loop.close()
+
+    return run
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _eventfds() -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[eventfd]"
+        except OSError:
+            pass
+    return n
+
+
+# --------------------------------------------------------------------------- run_async
+
+def test_same_result_and_errors_as_run(arun):
+    async def main():
+        r = await torchmp.run_async(["sh", "-c", "echo out; echo err >&2; exit 4"], capture_output=True, text=True)
+        assert isinstance(r, torchmp.CompletedProcess)
+        assert (r.returncode, r.stdout, r.stderr) == (4, "out\n", "err\n") and r.pid > 0 and r.wall_time > 0
+        with pytest.raises(subprocess.CalledProcessError) as e:
+            await torchmp.run_async(["sh", "-c", "exit 2"], check=True)
+        assert e.value.returncode == 2
+        with pytest.raises(FileNotFoundError):
+            await torchmp.run_async(["no-such-command-torchmp"])
+        with pytest.raises(ValueError, match="max_output"):
+            await torchmp.run_async(["true"], max_output=-3)
+        r = await torchmp.run_async(["cat"], input=b"in", capture_output=True, max_output=1)
+        assert r.stdout == b"i\n[... 1 bytes omitted ...]\n" and r.stdout_omitted == 1
+
+    arun(main())
+
+
+def test_many_in_flight_share_one_descriptor_and_no_thread(arun):
+    async def main():
+        torchmp.run(["true"])  # the I/O thread exists from here on
+        threads, eventfds = _threads(), _eventfds()
+        seen = {"threads": 0, "eventfds": 0}
+        sem = asyncio.Semaphore(32)
+
+        async def one(i):
+            async with sem:
+                seen["threads"] = max(seen["threads"], _threads())
+                seen["eventfds"] = max(seen["eventfds"], _eventfds())
+                r = await torchmp.run_async(["sh", "-c", f"echo {i}; sleep 0.0{i % 5}"], capture_output=True)
+                return r.stdout
+
+        outs = await asyncio.gather(*(one(i) for i in range(128)))
+        assert outs == [f"{i}\n".encode() for i in range(128)]
+        assert seen["threads"] == threads, seen  # no thread per command
+        assert seen["eventfds"] <= eventfds + 1, seen  # one notifier for the loop
+        assert _eventfds() == eventfds  # gone once nothing waits
+
+    arun(main())
+
+
+def test_the_loop_runs_while_commands_run(arun):
+    async def main():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        task = asyncio.ensure_future(ticker())
+        await torchmp.run_async(["sleep", "0.5"])
+        task.cancel()
+        assert ticks >= 20, ticks
+
+    arun(main())
+
+
+def test_timeout_stops_the_whole_group(arun, tmp_path):
+    pidfile = tmp_path / "pids"
+
+    async def main():
+        t0 = time.monotonic()
+        with pytest.raises(subprocess.TimeoutExpired) as e:
+            await torchmp.run_async(
+                ["sh", "-c", f"echo $$ >> {pidfile}; sleep 30 & echo $! >> {pidfile}; echo started; wait"],
+                capture_output=True, timeout=0.5)
+        return time.monotonic() - t0, e.value
+
+    elapsed, exc = arun(main())
+    pids = read_pids(pidfile, 2)
+    try:
+        assert exc.stdout == b"started\n" and 0.5 <= elapsed < 0.5 + GRACE_SECONDS + SLACK
+        assert wait_gone(pids, 1) == []
+    finally:
+        kill_groups(pids)
+
+
+def test_a_grandchild_holding_the_pipe_does_not_hold_back_the_result(arun, tmp_path):
+    pidfile = tmp_path / "pid"
+
+    async def main():
+        t0 = time.monotonic()
+        r = await torchmp.run_async(["sh", "-c", f"sleep 30 & echo $! > {pidfile}; echo hi"], capture_output=True,
+                                    timeout=20)
+        return r, time.monotonic() - t0
+
+    r, elapsed = arun(main())
+    (grandchild,) = read_pids(pidfile, 1)
+    try:
+        assert r.stdout == b"hi\n" and elapsed < GRACE_SECONDS + SLACK
+        assert wait_gone([grandchild], 2) == []
+    finally:
+        kill_groups([grandchild])
+
+
+@pytest.mark.parametrize("how", ["cancel", "asyncio.timeout", "wait_for"])
+def test_cancelling_stops_and_reaps_the_group_before_it_goes_on(arun, tmp_path, how):
+    if how == "asyncio.timeout" and not hasattr(asyncio, "timeout"):
+        pytest.skip("asyncio.timeout is Python 3.11+")
+    pidfile = tmp_path / "pids"
+    cmd = ["sh", "-c", f"echo $$ >> {pidfile}; sleep 30 & echo $! >> {pidfile}; wait"]
+
+    async def main():
+        if how == "cancel":
+            task = asyncio.ensure_future(torchmp.run_async(cmd))
+            read = asyncio.get_running_loop().run_in_executor(None, read_pids, pidfile, 2)
+            await read
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        elif how == "wait_for":
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(torchmp.run_async(cmd), 0.5)
+        else:
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.5):  # type: ignore[attr-defined]
+                    await torchmp.run_async(cmd)
+        # By now: every process of the group is gone, and the leader reaped.
+        return [p.pid for p in psutil.Process().children(recursive=True)]
+
+    children = arun(main())
+    pids = read_pids(pidfile, 2)
+    try:
+        assert children == [] and not any(pid_alive(p) for p in pids)
+    finally:
+        kill_groups(pids)
+
+
+def test_a_hundred_tasks_cancelled_at_random_moments_leave_nothing(arun, tmp_path):
+    fds = len(os.listdir("/proc/self/fd"))
+    rng = random.Random(1234)
+
+    async def main():
+        tasks = [asyncio.ensure_future(torchmp.run_async(
+            ["sh", "-c", f"echo $$ >> {tmp_path}/{i}; sleep 30 & wait"], capture_output=True))
+            for i in range(100)]
+        for task in tasks:
+            await asyncio.sleep(rng.uniform(0, 0.01))
+            task.cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert all(isinstance(r, asyncio.CancelledError) for r in results), results
+        return [p.pid for p in psutil.Process().children(recursive=True)]
+
+    assert arun(main()) == []
+    leaders = [int(line) for f in tmp_path.iterdir() for line in f.read_text().split()]
+    assert not any(pid_alive(p) for p in leaders)
+    assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_under_anyio_on_asyncio():
+    anyio = pytest.importorskip("anyio")
+
+    async def main():
+        return await torchmp.run_async(["echo", "anyio"], capture_output=True)
+
+    assert anyio.run(main, backend="asyncio").stdout == b"anyio\n"
+
+
+def test_a_loop_without_add_reader_gets_a_clear_error():
+    class NoReaders(asyncio.SelectorEventLoop):
+        def add_reader(self, *args, **kwargs):
+            raise NotImplementedError
+
+    loop = NoReaders()
+    try:
+        with pytest.raises(RuntimeError, match="add_reader"):
+            loop.run_until_complete(torchmp.run_async(["true"]))
+    finally:
+        loop.close()
+
+
+# --------------------------------------------------------------------------- ctx.wait_async
+
+def test_wait_async_returns_what_wait_returns(arun, tmp_path):
+    async def main():
+        ctx = launch("sh", {0: ("-c", "echo zero"), 1: ("-c", "sleep 0.2; exit 3")}, log_dir=tmp_path,
+                     redirects=Std.OUT)
+        t0 = time.monotonic()
+        result = await ctx.wait_async()
+        return result, time.monotonic() - t0, ctx
+
+    result, elapsed, ctx = arun(main())
+    assert sorted(result.failures) == [1] and result.failures[1].exitcode == 3
+    assert open(result.stdouts[0]).read() == "zero\n" and elapsed < 0.2 + SLACK
+    ctx.close()
+
+
+def test_wait_async_timeout_and_then_the_result(arun, tmp_path):
+    async def main():
+        ctx = launch("sleep", {0: ("0.3",)}, log_dir=tmp_path)
+        try:
+            assert await ctx.wait_async(timeout=0) is None
+            assert await ctx.wait_async(timeout=0.05) is None
+            result = await ctx.wait_async()
+            assert not result.is_failed() and result.resources[0].exitcode == 0
+            assert await ctx.wait_async() is result
+        finally:
+            ctx.close()
+
+    arun(main())
+
+
+def test_wait_async_fail_fast_close_does_not_block_the_loop(arun, tmp_path):
+    async def main():
+        ctx = launch("sh", {0: ("-c", "sleep 0.1; exit 1"), 1: ("-c", "trap '' TERM; sleep 30")}, log_dir=tmp_path)
+        ctx.fail_fast_timeout = 0.5
+        pids = list(ctx.pids().values())
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        task = asyncio.ensure_future(ticker())
+        result = await ctx.wait_async()
+        task.cancel()
+        return result, ticks, pids
+
+    result, ticks, pids = arun(main())
+    assert sorted(result.failures) == [0, 1] and result.failures[1].exitcode == -signal.SIGKILL
+    assert ticks >= 40, ticks  # the 0.5 s grace passed on the loop, awaited
+    assert wait_gone(pids, 1) == []
+
+
+def test_wait_async_on_function_workers(arun, tmp_path):
+    async def main():
+        ctx = torchmp.start_processes("f", os.getpid, {0: (), 1: ()}, {0: {}, 1: {}},
+                                      DefaultLogsSpecs(log_dir=str(tmp_path)), start_method="fork")
+        result = await ctx.wait_async()
+        assert result.return_values == {r: pid for r, pid in ctx.pids().items()}
+
+    arun(main())
+
+
+def test_cancelling_wait_async_leaves_the_context_to_its_owner(arun, tmp_path):
+    eventfds = _eventfds()
+
+    async def main():
+        ctx = launch("sleep", {0: ("30",)}, log_dir=tmp_path)
+        task = asyncio.ensure_future(ctx.wait_async())
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert pid_alive(ctx.pids()[0])
+        ctx.close(timeout=1)
+        return ctx
+
+    ctx = arun(main())
+    assert ctx.wait(0) is not None and _eventfds() == eventfds
