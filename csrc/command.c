@@ -145,13 +145,9 @@ void torchmp_command_close_pipe(torchmp_command *c, int w)
     close_fd(&c->fd[w]);
 }
 
-int torchmp_command_collect(torchmp_command *c)
+/* Record the exit: r is what torchmp_collect_exit / torchmp_wait_exit said. */
+static int record_exit(torchmp_command *c, int r, int status, int64_t ut, int64_t st, int64_t rss)
 {
-    int status = 0, r;
-    int64_t ut = 0, st = 0, rss = 0;
-    if (torchmp_command_state(c) & TORCHMP_CMD_EXITED)
-        return 1;
-    r = torchmp_collect_exit(c->pid, &status, &ut, &st, &rss);
     if (r == 0)
         return 0;
     c->exit_ns = clock_ns(CLOCK_MONOTONIC);
@@ -170,6 +166,31 @@ int torchmp_command_collect(torchmp_command *c)
     c->maxrss_kb = rss;
     torchmp_command_set_state(c, TORCHMP_CMD_EXITED);
     return 1;
+}
+
+int torchmp_command_collect(torchmp_command *c)
+{
+    int status = 0, r;
+    int64_t ut = 0, st = 0, rss = 0;
+    if (torchmp_command_state(c) & TORCHMP_CMD_EXITED)
+        return 1;
+    r = torchmp_collect_exit(c->pid, &status, &ut, &st, &rss);
+    return record_exit(c, r, status, ut, st, rss);
+}
+
+/* A pidfd, opened when first needed: a command waited for without a time
+ * limit and with no output to read does without (one blocking waitid). */
+static int command_pidfd(torchmp_command *c)
+{
+#ifdef TORCHMP_HAVE_PIDFD
+    if (c->pidfd < 0 && torchmp_backend_choice() == TORCHMP_BACKEND_EPOLL)
+        c->pidfd = (int)syscall(SYS_pidfd_open, c->pid, 0);
+    return c->pidfd;
+#else
+    (void)c;
+    errno = ENOSYS;
+    return -1;
+#endif
 }
 
 static void command_free(torchmp_command *c)
@@ -270,7 +291,7 @@ torchmp_command *torchmp_command_start(const torchmp_command_spec *spec, torchmp
 #else
     a.pdeathsig = 0;
 #endif
-    torchmp_signals_to_reset(&a.reset_signals);
+    a.scan_signals = 1;
 
     /* A vfork child shares this thread's memory: no handler may run in it
      * before exec, so every signal is held across the spawn. */
@@ -285,21 +306,6 @@ torchmp_command *torchmp_command_start(const torchmp_command_spec *spec, torchmp
         goto fail_spawned;
     c->pid = pid;
     c->keeper_slot = torchmp_keeper_add(pid);
-#ifdef TORCHMP_HAVE_PIDFD
-    if (torchmp_backend_choice() == TORCHMP_BACKEND_EPOLL) {
-        c->pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
-        if (c->pidfd < 0) {
-            int status;
-            err->step = TORCHMP_STEP_PIDFD;
-            err->errnum = errno;
-            kill(pid, SIGKILL);
-            while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
-                ;
-            torchmp_keeper_remove(c->keeper_slot);
-            goto fail_spawned;
-        }
-    }
-#endif
     for (int w = 0; w < 2; w++)
         c->fd[w] = pipes[w][0];
     return c;
@@ -366,9 +372,21 @@ static int direct_wait(torchmp_command *c, int64_t timeout_ns, int until)
         if (timeout_ns >= 0 && wait_ns <= 0)
             return 0;
         exited = (torchmp_command_state(c) & TORCHMP_CMD_EXITED) != 0;
+        if (!exited && wait_ns < 0 && c->fd[0] < 0 && c->fd[1] < 0) {
+            /* Nothing to read and no time limit: one blocking waitid. */
+            int status = 0;
+            int64_t ut = 0, st = 0, rss = 0;
+            rc = torchmp_wait_exit(c->pid, &status, &ut, &st, &rss);
+            if (rc < 0 && errno == EINTR)
+                return -1;
+            (void)record_exit(c, rc, status, ut, st, rss);
+            continue;
+        }
         if (exited)
             wait_ns = min_wait(wait_ns, c->drain_until_ns - now);
-        if (!exited && c->pidfd >= 0) {
+        else if (command_pidfd(c) < 0)
+            return -1;
+        if (!exited) {
             pfd[n].fd = c->pidfd;
             pfd[n].events = POLLIN;
             who[n++] = -1;
@@ -438,7 +456,7 @@ int torchmp_command_wait(torchmp_command *c, int64_t timeout_ns, int until)
         }
         return watched_wait(c, timeout_ns, until);
     }
-    if (c->pidfd < 0) {
+    if (torchmp_backend_choice() != TORCHMP_BACKEND_EPOLL) {
         errno = ENOSYS; /* no pidfd: only the I/O thread can see the exit */
         return -1;
     }

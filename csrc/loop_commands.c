@@ -180,8 +180,16 @@ int torchmp_command_watch(torchmp_command *c, torchmp_notifier *n, uint64_t toke
     }
     c->notifier = n != NULL ? torchmp_notifier_ref(n) : NULL;
     c->token = token;
-    /* The I/O backend decides who can see the exit: without a pidfd only
-     * the loop's SIGCHLD scan can. */
+    /* The I/O backend decides who can see the exit: a pidfd in the loop's
+     * poller, or (poll backend) the loop's SIGCHLD scan. */
+#ifdef TORCHMP_HAVE_PIDFD
+    if (L->backend == TORCHMP_BACKEND_EPOLL && c->pidfd < 0 &&
+        !(torchmp_command_state(c) & TORCHMP_CMD_EXITED)) {
+        c->pidfd = (int)syscall(SYS_pidfd_open, c->pid, 0);
+        if (c->pidfd < 0)
+            return -1;
+    }
+#endif
     if (L->backend != TORCHMP_BACKEND_EPOLL)
         close_fd(&c->pidfd);
     __atomic_add_fetch(&c->refs, 1, __ATOMIC_ACQ_REL);

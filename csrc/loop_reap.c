@@ -89,20 +89,22 @@ static int siginfo_wait_status(const siginfo_t *si)
     }
 }
 
-/* waitid(P_PID, pid, WEXITED | WNOHANG | WNOWAIT) with the zombie's rusage:
- * Linux's system call takes a fifth argument that libc's wrapper hides, and
- * fills it (self + waited-for children, as wait4 would) without reaping. */
-static int waitid_keep(pid_t pid, siginfo_t *si, struct rusage *ru)
+/* waitid(P_PID, pid, WEXITED | WNOWAIT [| WNOHANG]) with the zombie's
+ * rusage: Linux's system call takes a fifth argument that libc's wrapper
+ * hides, and fills it (self + waited-for children, as wait4 would) without
+ * reaping. */
+static int waitid_keep(pid_t pid, siginfo_t *si, struct rusage *ru, int nohang)
 {
+    int flags = WEXITED | WNOWAIT | (nohang ? WNOHANG : 0);
 #ifdef TORCHMP_HAVE_PIDFD
-    return (int)syscall(SYS_waitid, P_PID, (id_t)pid, si, WEXITED | WNOHANG | WNOWAIT, ru);
+    return (int)syscall(SYS_waitid, P_PID, (id_t)pid, si, flags, ru);
 #else
     (void)ru; /* filled in when the zombie is reaped (torchmp_loop_proc_reap_locked) */
-    return waitid(P_PID, (id_t)pid, si, WEXITED | WNOHANG | WNOWAIT);
+    return waitid(P_PID, (id_t)pid, si, flags);
 #endif
 }
 
-int torchmp_collect_exit(pid_t pid, int *status, int64_t *utime_ns, int64_t *stime_ns, int64_t *maxrss_kb)
+static int collect(pid_t pid, int nohang, int *status, int64_t *utime_ns, int64_t *stime_ns, int64_t *maxrss_kb)
 {
     struct rusage ru;
     siginfo_t si;
@@ -111,8 +113,8 @@ int torchmp_collect_exit(pid_t pid, int *status, int64_t *utime_ns, int64_t *sti
     memset(&ru, 0, sizeof(ru));
     memset(&si, 0, sizeof(si));
     do {
-        r = waitid_keep(pid, &si, &ru);
-    } while (r < 0 && errno == EINTR);
+        r = waitid_keep(pid, &si, &ru, nohang);
+    } while (r < 0 && errno == EINTR && nohang);
     if (r < 0)
         return -1;
     if (si.si_pid == 0)
@@ -122,6 +124,16 @@ int torchmp_collect_exit(pid_t pid, int *status, int64_t *utime_ns, int64_t *sti
     *stime_ns = timeval_ns(ru.ru_stime);
     *maxrss_kb = ru.ru_maxrss;
     return 1;
+}
+
+int torchmp_collect_exit(pid_t pid, int *status, int64_t *utime_ns, int64_t *stime_ns, int64_t *maxrss_kb)
+{
+    return collect(pid, 1, status, utime_ns, stime_ns, maxrss_kb);
+}
+
+int torchmp_wait_exit(pid_t pid, int *status, int64_t *utime_ns, int64_t *stime_ns, int64_t *maxrss_kb)
+{
+    return collect(pid, 0, status, utime_ns, stime_ns, maxrss_kb);
 }
 
 /* Record pid's exit if it has exited, keeping the zombie.  Returns 1 when

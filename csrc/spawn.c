@@ -84,6 +84,16 @@ const char *torchmp_step_name(int step)
 
 /* ---- child side: async-signal-safe only --------------------------------- */
 
+/* A disposition the worker must not start with: a handler (it would run on
+ * the launcher's memory in a vfork child), or SIGPIPE/SIGXFSZ ignored (what
+ * CPython does for itself, not for its children). */
+static int signal_needs_reset(int sig, const struct sigaction *old)
+{
+    if (old->sa_handler == SIG_DFL)
+        return 0;
+    return old->sa_handler != SIG_IGN || sig == SIGPIPE || sig == SIGXFSZ;
+}
+
 __attribute__((noreturn)) static void child_fail(int errpipe, int step, int errnum)
 {
     torchmp_spawn_error rec;
@@ -264,12 +274,20 @@ __attribute__((noreturn, noinline)) static void child_exec(const torchmp_spawn_a
      * here could run in a vfork child on the parent's memory once we unblock,
      * so the signals the parent found caught (and SIGPIPE/SIGXFSZ, which
      * CPython ignores for itself, not for its children) go back to SIG_DFL.
-     * The parent scans once per batch instead of every child making ~128
-     * sigaction calls. */
+     * For a batch the parent scans once instead of every child making ~128
+     * sigaction calls; a single launch scans here, on the child's CPU. */
     memset(&dfl, 0, sizeof(dfl));
     dfl.sa_handler = SIG_DFL;
     for (int sig = 1; sig < NSIG; sig++) {
-        if (sigismember(&a->reset_signals, sig) == 1 && sigaction(sig, &dfl, NULL) != 0)
+        int reset;
+        if (a->scan_signals) {
+            struct sigaction old;
+            reset = sig != SIGKILL && sig != SIGSTOP && sigaction(sig, NULL, &old) == 0 &&
+                    signal_needs_reset(sig, &old);
+        } else {
+            reset = sigismember(&a->reset_signals, sig) == 1;
+        }
+        if (reset && sigaction(sig, &dfl, NULL) != 0)
             child_fail(errpipe, TORCHMP_STEP_SIGNALS, errno);
     }
 
@@ -309,11 +327,8 @@ void torchmp_signals_to_reset(sigset_t *out)
             continue;
         if (sigaction(sig, NULL, &old) != 0)
             continue; /* a signal number the C library reserves */
-        if (old.sa_handler == SIG_DFL)
-            continue;
-        if (old.sa_handler == SIG_IGN && sig != SIGPIPE && sig != SIGXFSZ)
-            continue;
-        sigaddset(out, sig);
+        if (signal_needs_reset(sig, &old))
+            sigaddset(out, sig);
     }
 }
 

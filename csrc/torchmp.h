@@ -128,6 +128,7 @@ typedef struct {
     int nkeep;
     int use_vfork;             /* safe only when every signal is blocked in the caller */
     sigset_t reset_signals;    /* dispositions the child resets to SIG_DFL (torchmp_signals_to_reset) */
+    int scan_signals;          /* or: the child finds them itself (one launch: on its own CPU) */
     int pdeathsig;             /* 0: none */
     pid_t parent_pid;          /* getpid() of the launcher, for the PDEATHSIG race check */
     long max_fd;               /* bound for the brute-force close fallback */
@@ -525,6 +526,8 @@ int torchmp_group_wait(torchmp_group *g, int64_t timeout_ns, uint64_t known_vers
  * status and rusage filled in (on Linux; zeros elsewhere), 0 if it runs,
  * -1 with errno (ECHILD: not a child, or reaped by somebody else). */
 int torchmp_collect_exit(pid_t pid, int *status, int64_t *utime_ns, int64_t *stime_ns, int64_t *maxrss_kb);
+/* The same, waiting for the exit: 1, or -1 with errno (EINTR: a signal). */
+int torchmp_wait_exit(pid_t pid, int *status, int64_t *utime_ns, int64_t *stime_ns, int64_t *maxrss_kb);
 
 /* Wake every waiter for good (the group is being closed). */
 void torchmp_group_interrupt(torchmp_group *g);

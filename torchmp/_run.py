@@ -163,6 +163,17 @@ class _Call:
             stdout_omitted=out_omitted, stderr_omitted=err_omitted)
 
 
+_backend: list[bool] = []
+
+
+def _waits_here() -> bool:
+    """Whether a command can be waited for in the calling thread (its pidfd:
+    the epoll backend), decided once per process."""
+    if not _backend:
+        _backend.append(_core.backend_choice() == "epoll")
+    return _backend[0]
+
+
 def run(args: Any, *, stdin: Any = None, input: Any = None, stdout: Any = None, stderr: Any = None,
         capture_output: bool = False, shell: bool = False, cwd: Any = None, timeout: float | None = None,
         check: bool = False, encoding: str | None = None, errors: str | None = None, text: bool | None = None,
@@ -190,14 +201,15 @@ def run(args: Any, *, stdin: Any = None, input: Any = None, stdout: Any = None, 
     cmd = call.start()
     notifier = None
     try:
-        if _core.backend_choice() != "epoll":
+        if not _waits_here():
             # No pidfd: only the I/O thread sees the exit; it wakes this
             # thread through a notifier of its own.
             notifier = _core.Notifier()
             cmd.watch(notifier, 0)
         try:
             finished = cmd.wait(-1.0 if call.timeout is None else call.timeout, _core.UNTIL_EXITED)
-            _command.stop_blocking(cmd)
+            if cmd.busy():  # what is left of the group (usually nothing)
+                _command.stop_blocking(cmd)
         except BaseException:
             # Interrupted (Ctrl-C): the command, in a session of its own, got
             # nothing; stop it the same way, then let the interrupt go on.
@@ -241,7 +253,8 @@ async def run_async(args: Any, *, stdin: Any = None, input: Any = None, stdout: 
         try:
             try:
                 finished = await waiter.until(_core.CMD_EXITED, call.timeout)
-                await _aio.drive_command(_command.stop_steps(cmd), waiter)
+                if cmd.busy():  # what is left of the group (usually nothing)
+                    await _aio.drive_command(_command.stop_steps(cmd), waiter)
             except BaseException:
                 # Cancelled (or interrupted): the whole group is stopped and
                 # reaped before the cancellation goes on.
