@@ -148,6 +148,19 @@ TARGETS = [
            _limit("close", "ignore_ms", CLOSE_TIMEOUT_MS + 5, "ms")),
     Target("many", "1024 teed ranks launch and reap", ("many",), _many_check),
     Target("nofile", "nofile=1024: runs, or error + 0 left", ("nofile",), _nofile_check),
+    # issue 21: an agent's commands, against the stdlib it would use instead
+    Target("run_true_wall", "run(true) wall <= 1.0x subprocess.run", ("agent",),
+           _ratio_target("agent", "true_wall", "stdlib", 1.0)),
+    Target("run_true_cpu", "run(true) CPU <= 1.0x subprocess.run", ("agent",),
+           _ratio_target("agent", "true_cpu", "stdlib", 1.0)),
+    Target("run_echo", "run(echo, capture) wall <= 0.8x stdlib", ("agent",),
+           _ratio_target("agent", "echo_wall", "stdlib", 0.8)),
+    Target("run_async_rate", "run_async launch/s >= 2x asyncio", ("agent",),
+           _ratio_target("agent", "async_rate", "stdlib", 2.0, higher=True)),
+    Target("run_async_cpu", "run_async CPU/launch <= 0.5x asyncio", ("agent",),
+           _ratio_target("agent", "async_cpu", "stdlib", 0.5)),
+    Target("context1", "start_processes(1)+wait+close <= 1.2x run", ("agent",),
+           _ratio_target("agent", "context_wall", "stdlib", 1.2)),
 ]
 
 

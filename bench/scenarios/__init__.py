@@ -3,7 +3,7 @@
 import importlib
 
 ORDER = ["launch", "funclaunch", "lag", "failfast", "tee", "redirect", "teeobject", "console", "idle", "close",
-         "many", "nofile"]
+         "many", "nofile", "agent"]
 MODULES = {
     "launch": "launch",
     "funclaunch": "funclaunch",
@@ -17,6 +17,7 @@ MODULES = {
     "close": "close",
     "many": "many",
     "nofile": "many",
+    "agent": "agent",
 }
 
 TITLES = {
@@ -32,6 +33,7 @@ TITLES = {
     "close": "close(timeout=0.5) of plain and TERM-ignoring workers",
     "many": "1024 teed ranks launch+reap",
     "nofile": "1024 teed ranks at RLIMIT_NOFILE soft = 1024: works, or clear error and nothing left",
+    "agent": "torchmp.run / run_async / one-rank start_processes vs subprocess.run / create_subprocess_exec",
 }
 
 

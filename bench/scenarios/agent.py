@@ -1,0 +1,148 @@
+"""``agent``: what an agent does -- one short command at a time, or dozens at
+once from asyncio -- against what it would use instead, side by side.
+
+* ``true``: sequential ``torchmp.run(["true"])`` / ``subprocess.run(["true"])``
+  / the floor (``os.posix_spawn`` + ``os.waitpid``): wall time and the
+  launcher's CPU (``RUSAGE_SELF``: every thread of it) per launch.
+* ``echo``: the same for ``["echo", "hello"]`` with ``capture_output=True``
+  (floor: ``posix_spawn`` with a pipe, read to EOF).
+* ``async``: 256 launches of ``true``, 32 in flight, on asyncio's default
+  loop: ``torchmp.run_async`` / ``asyncio.create_subprocess_exec`` +
+  ``wait()``: launches per second and the launcher's CPU per launch.
+* ``context``: ``start_processes`` of one ``/bin/true`` + ``wait()`` +
+  ``close()`` (``DefaultLogsSpecs`` in a temp dir) for torchmp, against
+  ``subprocess.run(["true"])`` in the stdlib column.
+
+Targets (issue 21): true <= 1.0x subprocess.run (wall and CPU; goal 0.8x);
+echo <= 0.8x; async >= 2x create_subprocess_exec's launches/s and <= 0.5x
+its CPU per launch; context <= 1.2x subprocess.run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+import subprocess
+import tempfile
+import time
+
+from bench.common import Result, interleave, record
+
+TITLE = "one command at a time, or 32 at once from asyncio: per launch"
+IMPLS = ["torchmp", "stdlib", "floor"]
+SEQ = 40           # launches per sequential trial
+ASYNC_N = 256
+ASYNC_IN_FLIGHT = 32
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _per_launch(fn, n: int) -> tuple[float, float]:
+    """(wall ms, launcher CPU ms) per launch over n calls of fn."""
+    c0, t0 = _cpu(), time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n * 1e3, (_cpu() - c0) / n * 1e3
+
+
+def _floor_true() -> None:
+    pid = os.posix_spawnp("true", ["true"], os.environ)
+    os.waitpid(pid, 0)
+
+
+def _floor_echo() -> None:
+    r, w = os.pipe()
+    try:
+        pid = os.posix_spawnp("echo", ["echo", "hello"], os.environ,
+                              file_actions=[(os.POSIX_SPAWN_DUP2, w, 1), (os.POSIX_SPAWN_CLOSE, r)])
+    finally:
+        os.close(w)
+    chunks = []
+    while chunk := os.read(r, 65536):
+        chunks.append(chunk)
+    os.close(r)
+    os.waitpid(pid, 0)
+    if b"".join(chunks) != b"hello\n":
+        raise RuntimeError("floor: wrong output")
+
+
+def _async_batch(launch) -> tuple[float, float]:
+    """(launches/s, launcher CPU ms per launch) of ASYNC_N launches."""
+
+    async def main() -> tuple[float, float]:
+        sem = asyncio.Semaphore(ASYNC_IN_FLIGHT)
+
+        async def one() -> None:
+            async with sem:
+                await launch()
+
+        c0, t0 = _cpu(), time.perf_counter()
+        await asyncio.gather(*(one() for _ in range(ASYNC_N)))
+        return ASYNC_N / (time.perf_counter() - t0), (_cpu() - c0) / ASYNC_N * 1e3
+
+    return asyncio.run(main())
+
+
+async def _stdlib_async() -> None:
+    proc = await asyncio.create_subprocess_exec("true")
+    if await proc.wait() != 0:
+        raise RuntimeError("stdlib: true failed")
+
+
+def run_agent(ctx) -> Result:
+    impls = ctx.select(IMPLS)
+    res = Result("agent", TITLE, impls)
+    tm = getattr(ctx.impls.get("torchmp"), "mod", None)
+    if "torchmp" in impls and not hasattr(tm, "run"):
+        res.skipped["torchmp"] = f"{getattr(tm, '__name__', 'the torchmp column')} has no run()"
+        impls = [i for i in impls if i != "torchmp"]
+    res.params = {"sequential_per_trial": SEQ, "async": {"launches": ASYNC_N, "in_flight": ASYNC_IN_FLIGHT}}
+    log_dir = tempfile.mkdtemp(prefix="agent-ctx-", dir=ctx.tmp_root)
+
+    def start_processes_once() -> None:
+        c = tm.start_processes("agent", "true", {0: ()}, {0: {}}, tm.DefaultLogsSpecs(log_dir=log_dir))
+        result = c.wait()
+        c.close()
+        if result.is_failed():
+            raise RuntimeError(f"start_processes: {result.failures}")
+
+    sequential = {
+        "true": {"torchmp": lambda: tm.run(["true"]), "stdlib": lambda: subprocess.run(["true"]),
+                 "floor": _floor_true},
+        "echo": {"torchmp": lambda: tm.run(["echo", "hello"], capture_output=True),
+                 "stdlib": lambda: subprocess.run(["echo", "hello"], capture_output=True),
+                 "floor": _floor_echo},
+        "context": {"torchmp": start_processes_once, "stdlib": lambda: subprocess.run(["true"])},
+    }
+    labels = {"true": "run(['true'])", "echo": "run(['echo','hello'], capture)",
+              "context": "start_processes 1 bin+wait+close"}
+    for case, fns in sequential.items():
+        res.metric(f"{case}_wall", f"{labels[case]}: wall", "ms", "lower")
+        res.metric(f"{case}_cpu", f"{labels[case]}: CPU", "ms", "lower")
+
+        def trial(impl, case=case, fns=fns):
+            wall, cpu = _per_launch(fns[impl], SEQ)
+            return {f"{case}_wall": wall, f"{case}_cpu": cpu}
+
+        ctx.log(f"  {case}")
+        samples = interleave([i for i in impls if i in fns], ctx.reps(15, 5), trial, warmup=1,
+                             on_error=lambda i, m, c=case: res.error(i, c, m), log=ctx.log)
+        record(res, samples)
+
+    res.metric("async_rate", f"async {ASYNC_N} x true, {ASYNC_IN_FLIGHT} in flight", "launch/s", "higher")
+    res.metric("async_cpu", "async: CPU per launch", "ms", "lower")
+    launches = {"torchmp": lambda: tm.run_async(["true"]), "stdlib": _stdlib_async}
+
+    def async_trial(impl):
+        rate, cpu = _async_batch(launches[impl])
+        return {"async_rate": rate, "async_cpu": cpu}
+
+    ctx.log("  async")
+    samples = interleave([i for i in impls if i in launches], ctx.reps(9, 3), async_trial, warmup=1,
+                         on_error=lambda i, m: res.error(i, "async", m), log=ctx.log)
+    record(res, samples)
+    return res
