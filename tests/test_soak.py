@@ -1,5 +1,6 @@
 """Soak: 1000 start/wait/close cycles with tee on must leave nothing behind
-(binary workers; 500 more with forked function workers).
+(binary workers; 500 more with forked function workers), and so must 10,000
+torchmp.run and 10,000 run_async calls.
 
 After a warm-up (caches, the I/O thread's buffers, allocator arenas), the
 launcher's open fds, threads and zombie children must stay flat and its
@@ -101,3 +102,56 @@ def test_start_wait_close_cycles_leave_nothing_behind(tmp_path, capfd, kind, cyc
     assert after["threads"] == before["threads"]
     assert after["zombies"] == before["zombies"] == 0
     assert growth < 1 << 20, f"RSS grew by {growth / 1024:.0f} KiB over {cycles - WARMUP} cycles"
+
+
+RUNS = 10_000
+RUN_WARMUP = 500
+
+
+def _children() -> int:
+    return len(psutil.Process().children(recursive=True))
+
+
+@pytest.mark.parametrize("kind", ["run", "run_async"])
+def test_ten_thousand_runs_leave_nothing_behind(kind):
+    """10,000 sequential torchmp.run / run_async calls (capturing both
+    streams, every tenth with input, every hundredth timing out): fds,
+    threads, children and RSS flat after the warm-up."""
+    import asyncio
+    import subprocess
+
+    def one(i: int) -> None:
+        if kind == "run":
+            r = torchmp.run(["sh", "-c", "echo $0", str(i)], capture_output=True, input=b"x" if i % 10 == 0 else None)
+        else:
+            r = asyncio.run(torchmp.run_async(["sh", "-c", "echo $0", str(i)], capture_output=True,
+                                              input=b"x" if i % 10 == 0 else None))
+        assert r.stdout == f"{i}\n".encode(), r
+
+    def timing_out() -> None:
+        with pytest.raises(subprocess.TimeoutExpired):
+            if kind == "run":
+                torchmp.run(["sleep", "5"], timeout=0.001)
+            else:
+                asyncio.run(torchmp.run_async(["sleep", "5"], timeout=0.001))
+
+    for i in range(RUN_WARMUP):
+        one(i)
+    timing_out()
+    gc.collect()
+    before = {"fds": _fds(), "threads": _threads(), "children": _children(), "rss": _rss()}
+    t0 = time.monotonic()
+    for i in range(RUNS):
+        one(i)
+        if i % 100 == 99:
+            timing_out()
+    elapsed = time.monotonic() - t0
+    gc.collect()
+    _settle(before["fds"])
+    after = {"fds": _fds(), "threads": _threads(), "children": _children(), "rss": _rss()}
+    growth = after["rss"] - before["rss"]
+    print(f"\nsoak ({kind}): {RUNS} calls in {elapsed:.1f}s ({elapsed / RUNS * 1000:.2f} ms each); {before} -> {after}")
+    assert after["fds"] == before["fds"]
+    assert after["threads"] == before["threads"]
+    assert after["children"] == before["children"] == 0
+    assert growth < 2 << 20, f"RSS grew by {growth / 1024:.0f} KiB over {RUNS} calls"
