@@ -80,7 +80,8 @@ class _Call:
                  text: bool | None, env: Mapping[Any, Any] | None, universal_newlines: bool | None,
                  executable: Any, pass_fds: Iterable[int], max_output: int | None,
                  popen_kwargs: Mapping[str, Any]) -> None:
-        _command.check_popen_kwargs(popen_kwargs)
+        if popen_kwargs:
+            _command.check_popen_kwargs(popen_kwargs)
         if capture_output:
             if stdout is not None or stderr is not None:
                 raise ValueError("stdout and stderr arguments may not be used with capture_output.")

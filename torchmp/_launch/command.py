@@ -18,6 +18,7 @@ import math
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Generator, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -77,6 +78,27 @@ def _fsencode_arg(value: object, what: str) -> bytes:
     return data
 
 
+_FS_ENCODING = sys.getfilesystemencoding()
+_FS_ERRORS = sys.getfilesystemencodeerrors()
+
+
+def _argv(items: list[Any]) -> list[bytes]:
+    """args as argv: str and bytes at C speed (os.fsencode's own encoding),
+    the rest through _fsencode_arg's checks."""
+    argv = []
+    for i, a in enumerate(items):
+        if type(a) is str:
+            b = a.encode(_FS_ENCODING, _FS_ERRORS)
+        elif type(a) is bytes:
+            b = a
+        else:
+            b = _fsencode_arg(a, f"args[{i}]")
+        if b"\0" in b:
+            raise ValueError(f"args[{i}] contains a NUL byte: {a!r}")
+        argv.append(b)
+    return argv
+
+
 def _fd_of(value: object, what: str) -> int:
     if isinstance(value, bool):
         raise TypeError(f"{what} must be None, PIPE, DEVNULL, an fd or a file object, not a bool")
@@ -106,7 +128,9 @@ def _envp(env: Mapping[Any, Any]) -> list[bytes]:
 def _search_path(env: Mapping[Any, Any] | None) -> bytes:
     """PATH as os.get_exec_path(env) reads it."""
     if env is None:
-        path = os.environb.get(b"PATH")
+        # os.environb's own dict: its get() is a Python-level call chain.
+        data = getattr(os.environb, "_data", None)
+        path = data.get(b"PATH") if isinstance(data, dict) else os.environb.get(b"PATH")
     else:
         text, raw = env.get("PATH"), env.get(b"PATH")
         if text is not None and raw is not None:
@@ -173,16 +197,15 @@ def plan(args: Any, *, stdin: Any = None, input: bytes | None = None, stdout: An
                             f"not {type(args).__name__}") from None
     if not items or (len(items) == 1 and isinstance(items[0], (str, bytes)) and not items[0]):
         raise ValueError("args is empty: there is no command to run")
-    argv = [_fsencode_arg(a, f"args[{i}]") for i, a in enumerate(items)]
+    argv = _argv(items)
     if shell:
         argv = [b"/bin/sh", b"-c"] + argv
     name: Any = items[0] if executable is None else executable
     if shell:
         name = "/bin/sh" if executable is None else executable
-    program = _fsencode_arg(name, "executable")
-    if executable is not None:
-        if shell:
-            argv[0] = program
+    program = argv[0] if executable is None and not shell else _fsencode_arg(name, "executable")
+    if executable is not None and shell:
+        argv[0] = program
     if max_output is not None and (isinstance(max_output, bool) or not isinstance(max_output, int)):
         raise TypeError(f"max_output must be an int or None, not {type(max_output).__name__}")
     if max_output is not None and max_output < 0:
@@ -195,12 +218,14 @@ def plan(args: Any, *, stdin: Any = None, input: bytes | None = None, stdout: An
     out_fd = _core.IO_INHERIT if stdout in (None, subprocess.PIPE, subprocess.DEVNULL) else _fd_of(stdout, "stdout")
     err_fd = (_core.IO_INHERIT if stderr in (None, subprocess.PIPE, subprocess.DEVNULL, subprocess.STDOUT)
               else _fd_of(stderr, "stderr"))
-    try:
-        keep = tuple(sorted({int(fd) for fd in pass_fds}))
-    except (TypeError, ValueError):
-        raise TypeError(f"pass_fds must be an iterable of fds, got {pass_fds!r}") from None
-    if any(fd < 0 for fd in keep):
-        raise ValueError(f"pass_fds holds a negative fd: {keep}")
+    keep: tuple[int, ...] = ()
+    if pass_fds:
+        try:
+            keep = tuple(sorted({int(fd) for fd in pass_fds}))
+        except (TypeError, ValueError):
+            raise TypeError(f"pass_fds must be an iterable of fds, got {pass_fds!r}") from None
+        if any(fd < 0 for fd in keep):
+            raise ValueError(f"pass_fds holds a negative fd: {keep}")
     envp = None if env is None else _envp(env)
     search = None if b"/" in program else _search_path(env)
     cwd_b = None if cwd is None else _fsencode_arg(cwd, "cwd")
