@@ -232,6 +232,11 @@ def _forget_keeper_after_fork():
 _os.register_at_fork(after_in_child=_forget_keeper_after_fork)
 
 
+def open_fd_count():
+    """How many fds this process has open (OSError where /proc cannot say)."""
+    return check(torchmp_open_fd_count(), b"counting /proc/self/fd")
+
+
 def loop_fd_count():
     """How many fds the I/O thread holds (its own plus every watched one)."""
     return check(torchmp_loop_fd_count(), b"starting the torchmp I/O thread")

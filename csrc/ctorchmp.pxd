@@ -264,3 +264,4 @@ cdef extern from "torchmp.h" nogil:
                                size_t *tail_len, uint64_t *total, int *lost_errno)
     int torchmp_backend_choice()
     void torchmp_procscan_init()
+    int torchmp_open_fd_count()

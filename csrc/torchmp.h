@@ -721,6 +721,8 @@ void torchmp_keeper_remove(int slot);
 int torchmp_pgroups_alive(const pid_t *pgids, int n, unsigned char *alive);
 /* 1 if pid is gone or a zombie (for workers that are not our children). */
 int torchmp_pid_exited(pid_t pid);
+/* How many fds this process has open (/proc/self/fd), -1 with errno. */
+int torchmp_open_fd_count(void);
 /* Open what the scans read every time (once per process; errors ignored). */
 void torchmp_procscan_init(void);
 

@@ -54,7 +54,7 @@ def ensure_fd_budget(needed: int, nprocs: int) -> None:
         import resource
 
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        in_use = len(os.listdir("/proc/self/fd"))
+        in_use = _core.open_fd_count()
     except (ImportError, OSError):
         return
     needed += in_use
