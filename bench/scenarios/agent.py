@@ -8,7 +8,11 @@ once from asyncio -- against what it would use instead, side by side.
   (floor: ``posix_spawn`` with a pipe, read to EOF).
 * ``async``: 256 launches of ``true``, 32 in flight, on asyncio's default
   loop: ``torchmp.run_async`` / ``asyncio.create_subprocess_exec`` +
-  ``wait()``: launches per second and the launcher's CPU per launch.
+  ``wait()`` / the floor (``os.posix_spawn``, a pidfd per command in the
+  loop, ``os.waitpid``): launches per second and the launcher's CPU per
+  launch.  The children's own CPU per launch (``RUSAGE_CHILDREN``) is noted:
+  with every CPU busy, launches/s cannot pass cpus / (children's + the
+  launcher's CPU per launch), whatever the launcher.
 * ``context``: ``start_processes`` of one ``/bin/true`` + ``wait()`` +
   ``close()`` (``DefaultLogsSpecs`` in a temp dir) for torchmp, against
   ``subprocess.run(["true"])`` in the stdlib column.
@@ -70,21 +74,42 @@ def _floor_echo() -> None:
         raise RuntimeError("floor: wrong output")
 
 
-def _async_batch(launch) -> tuple[float, float]:
-    """(launches/s, launcher CPU ms per launch) of ASYNC_N launches."""
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
-    async def main() -> tuple[float, float]:
+
+def _async_batch(launch) -> tuple[float, float, float]:
+    """(launches/s, launcher CPU ms, children's CPU ms per launch) of
+    ASYNC_N launches."""
+
+    async def main() -> tuple[float, float, float]:
         sem = asyncio.Semaphore(ASYNC_IN_FLIGHT)
 
         async def one() -> None:
             async with sem:
                 await launch()
 
-        c0, t0 = _cpu(), time.perf_counter()
+        c0, k0, t0 = _cpu(), _children_cpu(), time.perf_counter()
         await asyncio.gather(*(one() for _ in range(ASYNC_N)))
-        return ASYNC_N / (time.perf_counter() - t0), (_cpu() - c0) / ASYNC_N * 1e3
+        return (ASYNC_N / (time.perf_counter() - t0), (_cpu() - c0) / ASYNC_N * 1e3,
+                (_children_cpu() - k0) / ASYNC_N * 1e3)
 
     return asyncio.run(main())
+
+
+async def _floor_async() -> None:
+    loop = asyncio.get_running_loop()
+    pid = os.posix_spawnp("true", ["true"], os.environ)
+    fd = os.pidfd_open(pid)
+    exited = loop.create_future()
+    loop.add_reader(fd, exited.set_result, None)
+    try:
+        await exited
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+    os.waitpid(pid, 0)
 
 
 async def _stdlib_async() -> None:
@@ -135,11 +160,12 @@ def run_agent(ctx) -> Result:
 
     res.metric("async_rate", f"async {ASYNC_N} x true, {ASYNC_IN_FLIGHT} in flight", "launch/s", "higher")
     res.metric("async_cpu", "async: CPU per launch", "ms", "lower")
-    launches = {"torchmp": lambda: tm.run_async(["true"]), "stdlib": _stdlib_async}
+    res.metric("async_children_cpu", "async: children's CPU per launch", "ms", "info")
+    launches = {"torchmp": lambda: tm.run_async(["true"]), "stdlib": _stdlib_async, "floor": _floor_async}
 
     def async_trial(impl):
-        rate, cpu = _async_batch(launches[impl])
-        return {"async_rate": rate, "async_cpu": cpu}
+        rate, cpu, children = _async_batch(launches[impl])
+        return {"async_rate": rate, "async_cpu": cpu, "async_children_cpu": children}
 
     ctx.log("  async")
     samples = interleave([i for i in impls if i in launches], ctx.reps(9, 3), async_trial, warmup=1,
