@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 import torchmp
-from torchmp import _core
 from torchmp._launch.command import DRAIN_SECONDS, GRACE_SECONDS
 
 from helpers import Launchers, kill_groups, pid_alive, read_pids, wait_gone
