@@ -90,7 +90,8 @@ def test_same_result_and_errors_as_run(arun):
 
 def test_many_in_flight_share_one_descriptor_and_no_thread(arun):
     async def main():
-        torchmp.run(["true"])  # the I/O thread exists from here on
+        # The I/O thread, and uvloop's own wake-up eventfds, exist from here on.
+        await torchmp.run_async(["true"])
         threads, eventfds = _threads(), _eventfds()
         seen = {"threads": 0, "eventfds": 0}
         sem = asyncio.Semaphore(32)
