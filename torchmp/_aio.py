@@ -1,17 +1,19 @@
 """Event loops without a thread per process.
 
 Each event loop that waits for torchmp (``run_async``, ``ctx.wait_async``)
-gets one notifier (csrc/notifier.c) while anything on it waits: its one
-descriptor is registered with ``loop.add_reader``, the I/O thread posts a
-note when a watched command exits or its output is complete, or a watched
-group's state moves on, and the loop's callback wakes whoever waits.  No
-thread, no descriptor and no child watcher per command, whatever the number
-in flight.
+gets one notifier (csrc/notifier.c): its one descriptor is watched by the
+loop, the I/O thread posts a note when a watched command exits or its
+output is complete, or a watched group's state moves on, and the loop wakes
+whoever waits.  No thread, no descriptor and no child watcher per command,
+whatever the number in flight.
 
-Works on every asyncio loop that implements ``add_reader`` (the default
-selector loop on Linux and macOS, uvloop), and so under anyio's asyncio
-backend.  trio is not supported (its loop has no ``add_reader``;
-``trio.lowlevel.wait_readable`` on the same descriptor would be the way).
+* asyncio: any loop with ``add_reader`` (the default selector loop on Linux
+  and macOS, uvloop), and anyio on its asyncio backend.  The descriptor is
+  registered while anything on the loop waits.
+* trio (and anyio on its trio backend): a system task of the run waits on
+  the descriptor (``trio.lowlevel.wait_readable``) for as long as the run
+  lasts.  Cleanup after a cancellation is shielded (it is bounded by the
+  stop policy's grace).
 
 Notes are only wake-ups: the native state (a command's ``state`` bits, a
 group's version) is the truth, read again after every one.
@@ -20,44 +22,69 @@ group's version) is the truth, read again after every one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import sys
+import time
 from collections.abc import Callable, Generator
+from typing import Any
 
 from torchmp import _core
 
 _tokens = itertools.count(1)
 
-sleep = asyncio.sleep
-
 
 class _Watch:
     """One event loop's notifier, and who waits on it (by token)."""
 
+    notifier: _core.Notifier
+    wakers: dict[int, Callable[[], None]]
+
+    def dispatch(self) -> None:
+        notes, overflow = self.notifier.take()
+        wakers = self.wakers
+        if overflow:
+            for waker in list(wakers.values()):
+                waker()
+            return
+        for token, _what in notes:
+            found = wakers.get(token)
+            if found is not None:
+                found()
+
+    # What the async library does for it (per library below).
+    def new_event(self) -> Any:
+        raise NotImplementedError
+
+    def wake(self, event: Any) -> None:
+        raise NotImplementedError
+
+    async def wait_event(self, event: Any, timeout: float | None) -> None:
+        raise NotImplementedError
+
+    async def sleep(self, seconds: float) -> None:
+        raise NotImplementedError
+
+    def shielded(self) -> contextlib.AbstractContextManager[Any]:
+        """Around cleanup after a cancellation: what it takes for the
+        cleanup's own awaits to go through."""
+        return contextlib.nullcontext()
+
+
+class _AsyncioWatch(_Watch):
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.notifier = _core.Notifier()
         self.fd = self.notifier.fileno()
-        self.wakers: dict[int, Callable[[], None]] = {}
+        self.wakers = {}
         self.users = 0
         try:
-            loop.add_reader(self.fd, self._dispatch)
+            loop.add_reader(self.fd, self.dispatch)
         except NotImplementedError:
             self.notifier.close()
             raise RuntimeError(
                 f"torchmp's asyncio support needs an event loop with add_reader(), and "
                 f"{type(loop).__name__} has none (on Windows, use a selector event loop)") from None
-
-    def _dispatch(self) -> None:
-        notes, overflow = self.notifier.take()
-        wakers = self.wakers
-        if overflow:
-            for wake in list(wakers.values()):
-                wake()
-            return
-        for token, _what in notes:
-            waker = wakers.get(token)
-            if waker is not None:
-                waker()
 
     def close(self) -> None:
         try:
@@ -66,32 +93,116 @@ class _Watch:
             pass
         self.notifier.close()
 
+    def new_event(self) -> asyncio.Future[None]:
+        return self.loop.create_future()
 
-_watches: dict[asyncio.AbstractEventLoop, _Watch] = {}
+    def wake(self, event: asyncio.Future[None]) -> None:
+        if not event.done():
+            event.set_result(None)
+
+    async def wait_event(self, event: asyncio.Future[None], timeout: float | None) -> None:
+        handle = None if timeout is None else self.loop.call_later(max(0.0, timeout), self.wake, event)
+        try:
+            await event
+        finally:
+            if handle is not None:
+                handle.cancel()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
+class _TrioWatch(_Watch):
+    def __init__(self, trio: Any) -> None:
+        self.trio = trio
+        self.notifier = _core.Notifier()
+        self.fd = self.notifier.fileno()
+        self.wakers = {}
+        trio.lowlevel.spawn_system_task(self._pump, name="torchmp notifier")
+
+    async def _pump(self) -> None:
+        # Until the run ends (trio cancels its system tasks then).
+        try:
+            while True:
+                await self.trio.lowlevel.wait_readable(self.fd)
+                self.dispatch()
+        finally:
+            self.notifier.close()
+
+    def new_event(self) -> Any:
+        return self.trio.Event()
+
+    def wake(self, event: Any) -> None:
+        event.set()
+
+    async def wait_event(self, event: Any, timeout: float | None) -> None:
+        with self.trio.move_on_after(float("inf") if timeout is None else max(0.0, timeout)):
+            await event.wait()
+
+    async def sleep(self, seconds: float) -> None:
+        await self.trio.sleep(seconds)
+
+    def shielded(self) -> contextlib.AbstractContextManager[Any]:
+        scope: contextlib.AbstractContextManager[Any] = self.trio.CancelScope(shield=True)
+        return scope
+
+
+_asyncio_watches: dict[asyncio.AbstractEventLoop, _AsyncioWatch] = {}
+_trio_watch: Any = None  # trio.lowlevel.RunVar, made on first use under trio
+
+
+def _running_trio() -> Any:
+    trio = sys.modules.get("trio")
+    if trio is None:
+        return None
+    try:
+        trio.lowlevel.current_task()
+    except RuntimeError:
+        return None
+    return trio
 
 
 def acquire() -> _Watch:
-    """The running loop's watch, created on first use."""
-    loop = asyncio.get_running_loop()
-    watch = _watches.get(loop)
-    if watch is None:
-        watch = _watches[loop] = _Watch(loop)
-    watch.users += 1
-    return watch
+    """The running event loop's watch, made on first use."""
+    global _trio_watch
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        trio = _running_trio()
+        if trio is None:
+            raise RuntimeError("torchmp's async calls need a running asyncio or trio event loop") from None
+        if _trio_watch is None:
+            _trio_watch = trio.lowlevel.RunVar("torchmp_watch")
+        watch: _TrioWatch | None = _trio_watch.get(None)
+        if watch is None:
+            watch = _TrioWatch(trio)
+            _trio_watch.set(watch)
+        return watch
+    found = _asyncio_watches.get(loop)
+    if found is None:
+        found = _asyncio_watches[loop] = _AsyncioWatch(loop)
+    found.users += 1
+    return found
 
 
 def release(watch: _Watch) -> None:
-    """Once nothing on the loop waits any more, its descriptor goes."""
+    """asyncio: once nothing on the loop waits any more, its descriptor
+    goes (trio's lasts as long as its run)."""
+    if not isinstance(watch, _AsyncioWatch):
+        return
     watch.users -= 1
     if watch.users == 0:
-        if _watches.get(watch.loop) is watch:
-            del _watches[watch.loop]
+        if _asyncio_watches.get(watch.loop) is watch:
+            del _asyncio_watches[watch.loop]
         watch.close()
 
 
-def _wake(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
+async def sleep(seconds: float) -> None:
+    """Sleep on whichever event loop runs."""
+    if _running_trio() is not None:
+        await sys.modules["trio"].sleep(seconds)
+    else:
+        await asyncio.sleep(seconds)
 
 
 class _Waiter:
@@ -100,24 +211,19 @@ class _Waiter:
     def __init__(self, watch: _Watch) -> None:
         self.watch = watch
         self.token = next(_tokens)
-        self._fut: asyncio.Future[None] | None = None
+        self._event: Any = None
         watch.wakers[self.token] = self._note
 
     def _note(self) -> None:
-        fut = self._fut
-        if fut is not None and not fut.done():
-            fut.set_result(None)
+        if self._event is not None:
+            self.watch.wake(self._event)
 
     async def _sleep(self, timeout: float | None) -> None:
-        loop = self.watch.loop
-        fut = self._fut = loop.create_future()
-        handle = None if timeout is None else loop.call_later(max(0.0, timeout), _wake, fut)
+        self._event = self.watch.new_event()
         try:
-            await fut
+            await self.watch.wait_event(self._event, timeout)
         finally:
-            if handle is not None:
-                handle.cancel()
-            self._fut = None
+            self._event = None
 
     def close(self) -> None:
         self.watch.wakers.pop(self.token, None)
@@ -140,9 +246,9 @@ class CommandWaiter(_Waiter):
         seconds (None: no limit)."""
         if self.cmd.state & state:
             return True
-        deadline = None if timeout is None else self.watch.loop.time() + timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         while not self.cmd.state & state:
-            left = None if deadline is None else deadline - self.watch.loop.time()
+            left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return False
             await self._sleep(left)
@@ -199,7 +305,7 @@ async def drive_command(steps: Generator[tuple[float, int], None, bool], waiter:
         seconds, _version = next(steps)
         while True:
             if waiter.cmd.state & _core.CMD_EXITED:
-                await asyncio.sleep(seconds)  # a group emptying has no event
+                await waiter.watch.sleep(seconds)  # a group emptying has no event
             else:
                 await waiter.until(_core.CMD_EXITED, seconds)
             seconds, _version = steps.send(None)

@@ -396,8 +396,8 @@ class _NativeContext(PContext):
                 pass  # closed by another thread or a handler: _poll has the result
 
     async def wait_async(self, timeout: float | None = None, period: float = 1) -> RunProcsResult | None:
-        """``wait`` on an event loop (asyncio's, uvloop): the I/O thread wakes
-        the loop through one descriptor when an exit decides the result; a
+        """``wait`` on an event loop (asyncio's, uvloop, trio): the I/O thread
+        wakes the loop through one descriptor when an exit decides the result; a
         fail-fast close() that follows awaits its grace period rather than
         blocking the loop.  ``None`` after ``timeout`` seconds (None or
         negative: no limit; 0: look once)."""

@@ -232,14 +232,16 @@ async def run_async(args: Any, *, stdin: Any = None, input: Any = None, stdout: 
                     errors: str | None = None, text: bool | None = None, env: Mapping[Any, Any] | None = None,
                     universal_newlines: bool | None = None, executable: Any = None, pass_fds: Iterable[int] = (),
                     max_output: int | None = None, **popen_kwargs: Any) -> CompletedProcess:
-    """:func:`run` for asyncio: the same parameters, result and errors.
+    """:func:`run` for an event loop (asyncio's, uvloop, trio, anyio): the
+    same parameters, result and errors.
 
     The command is started from the event loop's thread (the loop is blocked
     for as long as a fork+exec takes) and watched by torchmp's I/O thread,
     which wakes the loop through one descriptor for all commands in flight.
     Cancelling the task stops the command's whole process group (SIGTERM,
-    the grace, SIGKILL) and reaps it before the cancellation goes on; a
-    second cancellation meanwhile sends SIGKILL at once.
+    the grace, SIGKILL) and reaps it before the cancellation goes on; under
+    asyncio a second cancellation meanwhile sends SIGKILL at once (under
+    trio the cleanup is shielded).
     """
     call = _Call(args, stdin, input, stdout, stderr, capture_output, shell, cwd, timeout, check, encoding, errors,
                  text, env, universal_newlines, executable, pass_fds, max_output, popen_kwargs)
@@ -259,16 +261,18 @@ async def run_async(args: Any, *, stdin: Any = None, input: Any = None, stdout: 
             except BaseException:
                 # Cancelled (or interrupted): the whole group is stopped and
                 # reaped before the cancellation goes on.
-                try:
-                    await _aio.drive_command(_command.stop_steps(cmd), waiter)
-                except BaseException:
-                    # Cancelled again: SIGKILL now; the I/O thread reaps it.
-                    cmd.killpg(signal.SIGKILL)
-                    raise
+                with watch.shielded():
+                    try:
+                        await _aio.drive_command(_command.stop_steps(cmd), waiter)
+                    except BaseException:
+                        # Cancelled again: SIGKILL now; the I/O thread reaps it.
+                        cmd.killpg(signal.SIGKILL)
+                        raise
                 raise
             finally:
                 if cmd.state & _core.CMD_EXITED:
-                    await waiter.until(_core.CMD_DONE, None)  # at most DRAIN_SECONDS after the exit
+                    with watch.shielded():
+                        await waiter.until(_core.CMD_DONE, None)  # at most DRAIN_SECONDS after the exit
                     cmd.reap()
             return call.result(cmd, finished)
         finally:
