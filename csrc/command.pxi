@@ -63,10 +63,13 @@ cdef class Notifier:
             torchmp_notifier_unref(self.n)
             self.n = NULL
 
-    def fileno(self) -> int:
+    cdef torchmp_notifier *ptr(self) except NULL:
         if self.n == NULL:
             raise ValueError("notifier is closed")
-        return torchmp_notifier_fd(self.n)
+        return self.n
+
+    def fileno(self) -> int:
+        return torchmp_notifier_fd(self.ptr())
 
     def close(self):
         """Let go of the descriptor (commands and groups still watched hold
@@ -79,9 +82,7 @@ cdef class Notifier:
         cdef size_t count = 0, i
         cdef int overflow = 0
         cdef torchmp_note *notes
-        if self.n == NULL:
-            raise ValueError("notifier is closed")
-        notes = torchmp_notifier_take(self.n, &count, &overflow)
+        notes = torchmp_notifier_take(self.ptr(), &count, &overflow)
         try:
             return [(notes[i].token, notes[i].what) for i in range(count)], bool(overflow)
         finally:
@@ -175,9 +176,7 @@ cdef class Command:
         """Hand the command to the I/O thread, which posts NOTE_EXITED and
         NOTE_DONE with token to notifier."""
         self._ok()
-        if notifier.n == NULL:
-            raise ValueError("notifier is closed")
-        check(torchmp_command_watch(self.c, notifier.n, token), b"handing the command to the I/O thread")
+        check(torchmp_command_watch(self.c, notifier.ptr(), token), b"handing the command to the I/O thread")
         self.notifier = notifier
 
     def wait(self, double timeout, int until):

@@ -598,14 +598,11 @@ cdef class Group:
         """Post NOTE_CHANGED with token to notifier whenever the change
         counter moves or the group is released (until unwatch)."""
         self._ours()
-        if notifier.n == NULL:
-            raise ValueError("notifier is closed")
-        check(torchmp_group_watch(self.g, notifier.n, token), b"watching the group")
+        check(torchmp_group_watch(self.g, notifier.ptr(), token), b"watching the group")
 
     def unwatch(self, Notifier notifier not None):
-        if self.g == NULL or notifier.n == NULL:
-            return
-        torchmp_group_unwatch(self.g, notifier.n)
+        if self.g != NULL and notifier.n != NULL:
+            torchmp_group_unwatch(self.g, notifier.n)
 
     def killpg(self, int sig):
         """Send sig to the process group of every rank whose group id is
