@@ -42,7 +42,9 @@ static void unlink_command(torchmp_loop *L, torchmp_command *c)
     c->next = c->prev = NULL;
 }
 
-/* Exited, and no pipe left: done.  The loop lets go of it. */
+/* Exited, and no pipe left: done.  The loop lets go of it once the batch
+ * of events is over (torchmp_loop_commands_collect): another event of the
+ * batch may point into it. */
 static void maybe_done(torchmp_loop *L, torchmp_command *c)
 {
     if (!c->loop_linked || !(torchmp_command_state(c) & TORCHMP_CMD_EXITED) || c->fd[0] >= 0 || c->fd[1] >= 0)
@@ -53,7 +55,18 @@ static void maybe_done(torchmp_loop *L, torchmp_command *c)
         torchmp_command_reap_once(c);
     else
         post(c, TORCHMP_NOTE_DONE);
-    torchmp_command_unref(c);
+    c->next = L->commands_done;
+    L->commands_done = c;
+}
+
+void torchmp_loop_commands_collect(torchmp_loop *L)
+{
+    while (L->commands_done != NULL) {
+        torchmp_command *c = L->commands_done;
+        L->commands_done = c->next;
+        c->next = NULL;
+        torchmp_command_unref(c);
+    }
 }
 
 /* A few reads: one busy command must not starve the loop's other work. */

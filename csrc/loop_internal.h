@@ -282,6 +282,7 @@ typedef struct torchmp_loop {
     int use_vfork;
     long max_fd;
     struct torchmp_command *commands;  /* loop thread: the commands it watches */
+    struct torchmp_command *commands_done;  /* loop thread: done, let go of after the batch */
 } torchmp_loop;
 
 /* ---- commands (command.c, loop_commands.c) ------------------------------ */
@@ -433,6 +434,7 @@ void torchmp_loop_command_add(torchmp_loop *L, torchmp_command *c);
 void torchmp_loop_command_event(torchmp_loop *L, command_watch *w);
 void torchmp_loop_commands_scan(torchmp_loop *L);
 void torchmp_loop_commands_tick(torchmp_loop *L);
+void torchmp_loop_commands_collect(torchmp_loop *L);
 int torchmp_loop_commands_timeout_ms(torchmp_loop *L);
 
 /* ---- loop_groups.c ------------------------------------------------------ */

@@ -257,6 +257,7 @@ static void *loop_main(void *arg)
         if (L->held_feeds > 0 || L->said_entries > 0)
             torchmp_loop_catch_up(L);
         torchmp_loop_collect_groups(L);
+        torchmp_loop_commands_collect(L);
     }
     return NULL;
 }
