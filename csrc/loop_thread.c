@@ -123,7 +123,16 @@ static void on_sigchld(int sig, siginfo_t *info, void *ctx)
 
 static int install_sigchld(int wake_fd)
 {
-    struct sigaction sa;
+    struct sigaction sa, current;
+    /* A forked child inherits the parent's handler, this one, and the chain
+     * it saved then: installing again would save ourselves as the handler
+     * to chain to, and the first SIGCHLD would loop forever.  Only the
+     * wake-up channel is the child's own. */
+    if (sigaction(SIGCHLD, NULL, &current) == 0 && (current.sa_flags & SA_SIGINFO) &&
+        current.sa_sigaction == on_sigchld) {
+        sigchld_wake_fd = wake_fd;
+        return 0;
+    }
     memset(&sa, 0, sizeof(sa));
     sa.sa_sigaction = on_sigchld;
     sa.sa_flags = SA_SIGINFO | SA_RESTART | SA_NOCLDSTOP;
