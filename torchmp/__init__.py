@@ -12,6 +12,12 @@ the tee multiplexer, reaping) in one native I/O thread.
 False
 >>> ctx.close()
 
+For one command at a time (an agent's tools), ``torchmp.run`` and
+``await torchmp.run_async(...)`` are ``subprocess.run`` without its traps:
+
+>>> torchmp.run(["echo", "hi"], capture_output=True).stdout
+b'hi\\n'
+
 The public names are loaded on first use, so a spawned function worker
 (which imports ``torchmp._launch.worker``) starts about as fast as a bare
 interpreter.
