@@ -140,6 +140,19 @@ int torchmp_command_pump(torchmp_command *c, int w, char *scratch, size_t scratc
     return 1;
 }
 
+void torchmp_command_drain_buffered(torchmp_command *c, int w, char *scratch, size_t scratch_len)
+{
+    int avail = 0;
+    if (c->fd[w] < 0 || ioctl(c->fd[w], FIONREAD, &avail) != 0)
+        return;
+    while (avail > 0) {
+        uint64_t before = c->cap[w].total;
+        if (torchmp_command_pump(c, w, scratch, scratch_len) != 1)
+            return;
+        avail -= (int)(c->cap[w].total - before);
+    }
+}
+
 void torchmp_command_close_pipe(torchmp_command *c, int w)
 {
     close_fd(&c->fd[w]);
@@ -333,14 +346,17 @@ static int reached(torchmp_command *c, int until)
 }
 
 /* Not watched by the loop: exited and no pipe left open (EOF, or drained
- * for drain_ns) is done. */
-static void direct_settle(torchmp_command *c, int64_t now)
+ * for drain_ns) is done.  Past the drain time, what a pipe holds is still
+ * read: the command may have written it before it exited. */
+static void direct_settle(torchmp_command *c, int64_t now, char *scratch, size_t scratch_len)
 {
     if (!(torchmp_command_state(c) & TORCHMP_CMD_EXITED))
         return;
     for (int w = 0; w < 2; w++) {
-        if (c->fd[w] >= 0 && now >= c->drain_until_ns)
+        if (c->fd[w] >= 0 && now >= c->drain_until_ns) {
+            torchmp_command_drain_buffered(c, w, scratch, scratch_len);
             torchmp_command_close_pipe(c, w);
+        }
     }
     if (c->fd[0] < 0 && c->fd[1] < 0)
         torchmp_command_set_state(c, TORCHMP_CMD_DONE);
@@ -365,7 +381,7 @@ static int direct_wait(torchmp_command *c, int64_t timeout_ns, int until)
         int64_t now = clock_ns(CLOCK_MONOTONIC), wait_ns;
         struct timespec ts;
 
-        direct_settle(c, now);
+        direct_settle(c, now, scratch, sizeof(scratch));
         if (reached(c, until))
             return 1;
         wait_ns = timeout_ns < 0 ? -1 : start + timeout_ns - now;

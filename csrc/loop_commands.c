@@ -162,8 +162,10 @@ void torchmp_loop_commands_tick(torchmp_loop *L)
     for (c = L->commands; c != NULL; c = next) {
         next = c->next;
         if ((torchmp_command_state(c) & TORCHMP_CMD_EXITED) && now >= c->drain_until_ns) {
-            pipe_close(L, c, 0);
-            pipe_close(L, c, 1);
+            for (int w = 0; w < 2; w++) {
+                torchmp_command_drain_buffered(c, w, L->readbuf, READ_CHUNK);
+                pipe_close(L, c, w);
+            }
             maybe_done(L, c);
         }
     }

@@ -419,6 +419,8 @@ void torchmp_loop_proc_reap_locked(torchmp_proc *p);
 int torchmp_command_pump(torchmp_command *c, int w, char *scratch, size_t scratch_len);
 /* Record the exit if the leader has exited (1), else 0. */
 int torchmp_command_collect(torchmp_command *c);
+/* Read what the pipe holds now, no more (a writer cannot make it last). */
+void torchmp_command_drain_buffered(torchmp_command *c, int w, char *scratch, size_t scratch_len);
 /* Close stdout / stderr's read end. */
 void torchmp_command_close_pipe(torchmp_command *c, int w);
 void torchmp_command_set_state(torchmp_command *c, int bits);

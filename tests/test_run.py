@@ -211,6 +211,22 @@ os._exit(0)
         wait_gone([escaped])
 
 
+def test_what_the_command_wrote_before_it_exited_is_kept_past_the_drain(tmp_path):
+    # A TERM-ignoring process left in the group keeps the stop policy busy
+    # for the whole grace (longer than the drain): what the leader wrote
+    # before its exit and was still in the pipe must not be dropped.
+    pidfile = tmp_path / "pid"
+    script = (f"trap '' TERM; sh -c \"trap '' TERM; exec sleep 30\" & echo $! > {pidfile}; "
+              "head -c 200000 /dev/zero; exit 0")
+    r = torchmp.run(["sh", "-c", script], capture_output=True, timeout=30)
+    (left,) = read_pids(pidfile, 1)
+    try:
+        assert r.returncode == 0 and len(r.stdout) == 200000 and set(r.stdout) == {0}
+        assert wait_gone([left], 2) == []
+    finally:
+        kill_groups([left])
+
+
 def test_timeout_stops_the_whole_group_and_keeps_the_output(tmp_path):
     pidfile = tmp_path / "pids"
     t0 = time.monotonic()
