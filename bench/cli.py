@@ -204,6 +204,12 @@ def render(doc, results, chart_path) -> None:
     tm_mod = doc["versions"].get("torchmp_module")
     if tm_mod and tm_mod != "torchmp":
         header.append(f"NOTE: the torchmp column is {tm_mod} (BENCH_TORCHMP_MODULE)")
+    # Scenarios measured in a run of their own and merged into this file.
+    separate = doc.get("separate_runs", {})
+    for scen, run in separate.items():
+        header.append(f"{scen}: a separate run, {run['date']}, load average "
+                      f"{_load(run['machine'].get('loadavg_at_start'))} at start, "
+                      f"{_load(run['machine'].get('loadavg_at_end'))} at end (python -m bench {' '.join(run['argv'])})")
     for n, why in unavailable.items():
         header.append(f"unavailable: {n}: {why}")
     header.append("values are medians unless marked; 'vs X' rows are ratios to X's value in this run")
@@ -214,5 +220,7 @@ def render(doc, results, chart_path) -> None:
     sub = f"{doc['date'][:10]}, {mach['nproc']} cpus, {mach['cpu_model']}, {doc['mode']} run"
     if tm_mod and tm_mod != "torchmp":
         sub += f" (torchmp column = {tm_mod})"
+    if separate:
+        sub += "; " + ", ".join(f"{scen}: {run['date'][:10]}" for scen, run in separate.items())
     msg = report.chart(chart_path, results, names, sub)
     print(f"chart: {chart_path}" if msg is None else f"chart: {msg}")

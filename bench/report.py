@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -328,6 +329,9 @@ PANELS = [
     ("idle", ["extra_threads", "fds_per_rank", "cpu_pct"], "64 idle teed ranks", True),
     ("close", ["plain_ms", "ignore_ms"], "close(timeout=0.5) (ms)", True),
     ("many", ["seconds"], "1024 teed ranks (s)", True),
+    ("agent", ["true_wall", "echo_wall", "context_wall"], "agent: one command, wall per launch (ms)", True),
+    ("agent", ["true_cpu", "echo_cpu", "context_cpu", "async_cpu"], "agent: launcher CPU per launch (ms)", True),
+    ("agent", ["async_rate"], "agent: 256 x true, 32 in flight (launch/s)", False),
 ]
 COLORS = {"torchmp": "#d62728", "stdlib": "#1f77b4", "floor": "#7f7f7f", "torch": "#ff7f0e", "torch-p01": "#bcbd22"}
 
@@ -373,7 +377,8 @@ def chart(path: str, results: dict[str, Result], impls: list[str], subtitle: str
                 ax.annotate(fnum(v), (b.get_x() + b.get_width() / 2, y), ha="center", va="bottom",
                             fontsize=6, rotation=90 if len(keys) * len(group) > 8 else 0)
         ax.set_xticks(range(len(keys)))
-        ax.set_xticklabels([res.metrics[k].label for k in keys], fontsize=8)
+        # Wrapped, so that the labels of a panel with several long ones do not overlap.
+        ax.set_xticklabels([textwrap.fill(res.metrics[k].label, max(14, 64 // len(keys))) for k in keys], fontsize=8)
         ax.set_title(title, fontsize=10)
         if logy:
             ax.set_yscale("log")
