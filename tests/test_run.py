@@ -20,7 +20,7 @@ import pytest
 import torchmp
 from torchmp._launch.command import DRAIN_SECONDS, GRACE_SECONDS
 
-from helpers import Launchers, kill_groups, pid_alive, read_pids, wait_gone
+from helpers import Launchers, kill_groups, pid_alive, read_pids, run_launcher, wait_gone
 
 PY = sys.executable
 # Under load (CI runs two suites side by side) a fork+exec can take a while:
@@ -434,6 +434,33 @@ def test_the_command_is_in_a_session_of_its_own():
     r = torchmp.run([PY, "-c", "import os; print(os.getsid(0) == os.getpid(), os.getpgid(0) == os.getpid())"],
                     capture_output=True, text=True)
     assert r.stdout == "True True\n"
+
+
+def test_the_lean_path_adds_nothing_to_the_command_or_the_launcher(tmp_path):
+    # No log directory or file (not in the cwd, not in TMPDIR), no variable
+    # added to the command's environment (torch's error-file variable
+    # included), and, where the calling thread can wait on a pidfd, no thread.
+    work, tmp = tmp_path / "work", tmp_path / "tmp"
+    work.mkdir()
+    tmp.mkdir()
+    out = run_launcher(f"""
+        import os, torchmp
+        from torchmp import _core
+        os.chdir({str(work)!r})
+        before = len(os.listdir("/proc/self/task"))
+        r = torchmp.run(["env", "-0"], capture_output=True, input=b"x", timeout=30)
+        r2 = torchmp.run(["sh", "-c", "echo out; echo err >&2; exit 3"], capture_output=True, timeout=30)
+        seen = dict(kv.split(b"=", 1) for kv in r.stdout.split(b"\\0") if kv)
+        assert seen == dict(os.environb), set(seen.items()) ^ set(os.environb.items())
+        assert (r2.returncode, r2.stdout, r2.stderr) == (3, b"out\\n", b"err\\n"), r2
+        print(_core.backend_choice(), before, len(os.listdir("/proc/self/task")))
+    """, env={"TMPDIR": str(tmp)})
+    assert out.returncode == 0, out.stderr.decode()
+    backend, before, after = out.stdout.decode().split()
+    assert before == "1"
+    # epoll: the calling thread waits; poll (no pidfd): the I/O thread, once
+    assert after == ("1" if backend == "epoll" else "2"), out.stdout
+    assert list(work.iterdir()) == [] and list(tmp.iterdir()) == []
 
 
 def test_a_sigkilled_launcher_takes_the_command_and_its_group_with_it(tmp_path):
