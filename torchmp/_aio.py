@@ -282,20 +282,48 @@ class GroupWaiter(_Waiter):
         super().close()
 
 
+async def wait_group(group: _core.Group, decided: Callable[[], bool], timeout: float | None) -> bool:
+    """Until decided() holds, looked at again whenever the group's state
+    moves on, or timeout seconds pass (None: no limit); False on the
+    timeout.  A group released meanwhile counts as decided."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    watch = acquire()
+    try:
+        waiter = GroupWaiter(watch, group)
+        try:
+            while True:
+                try:
+                    version = group.version()
+                except ValueError:  # released meanwhile
+                    return True
+                if decided():
+                    return True
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                await waiter.changed(version, remaining)
+        finally:
+            waiter.close()
+    finally:
+        release(watch)
+
+
 async def drive_group(steps: Generator[tuple[float, int], None, bool], group: _core.Group) -> bool:
     """Drive the shutdown policy (torchmp._shutdown) for a context's group
     on the running loop."""
     watch = acquire()
-    waiter = GroupWaiter(watch, group)
     try:
-        seconds, version = next(steps)
-        while True:
-            await waiter.changed(version, seconds)
-            seconds, version = steps.send(None)
-    except StopIteration as done:
-        return bool(done.value)
+        waiter = GroupWaiter(watch, group)
+        try:
+            seconds, version = next(steps)
+            while True:
+                await waiter.changed(version, seconds)
+                seconds, version = steps.send(None)
+        except StopIteration as done:
+            return bool(done.value)
+        finally:
+            waiter.close()
     finally:
-        waiter.close()
         release(watch)
 
 

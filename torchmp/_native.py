@@ -406,26 +406,10 @@ class _NativeContext(PContext):
         group = self._group
         if group is None or self._result is not None or self._closed:
             return self._poll()
-        deadline = None if timeout is None or timeout < 0 else time.monotonic() + timeout
-        watch = _aio.acquire()
-        try:
-            waiter = _aio.GroupWaiter(watch, group)
-            try:
-                while True:
-                    try:
-                        version = group.version()
-                    except ValueError:  # closed meanwhile
-                        break
-                    if self._result is not None or self._closed or self._decided(self._snapshot()[1]):
-                        break
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        return None
-                    await waiter.changed(version, remaining)
-            finally:
-                waiter.close()
-        finally:
-            _aio.release(watch)
+        if not await _aio.wait_group(
+                group, lambda: self._result is not None or self._closed or self._decided(self._snapshot()[1]),
+                None if timeout is None or timeout < 0 else timeout):
+            return None
         if not self._closed:
             await self._close_async(signal.SIGTERM, self.fail_fast_timeout)
         return self._poll()
