@@ -507,7 +507,8 @@ class _NativeContext(PContext):
                         pids.get(rank), death_sig.name)
 
         # The module's name, read now: tests shorten it.
-        return _shutdown.stop(_Ranks(self, group), death_sig, timeout, on_signal, on_kill, KILL_GRACE_SECONDS)
+        ranks_target = _shutdown.Ranks(group, lambda: bool(self._running()))
+        return _shutdown.stop(ranks_target, death_sig, timeout, on_signal, on_kill, KILL_GRACE_SECONDS)
 
     def _after_stop(self, group: _core.Group, killed: bool) -> None:
         if killed:
@@ -617,26 +618,6 @@ class _NativeContext(PContext):
                         age = file_age
             ages[rank] = age
         return ages
-
-
-class _Ranks:
-    """A context's ranks as the shutdown policy sees them."""
-
-    def __init__(self, ctx: _NativeContext, group: _core.Group) -> None:
-        self._ctx = ctx
-        self._group = group
-
-    def version(self) -> int:
-        return self._group.version()
-
-    def running(self) -> bool:
-        return bool(self._ctx._running())
-
-    def busy(self) -> list[int]:
-        return self._group.busy()
-
-    def killpg(self, sig: int) -> None:
-        self._group.killpg(sig)
 
 
 # Contexts started and not closed yet: closed the normal way (death signal,

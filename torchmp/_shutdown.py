@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable, Generator, Sized
 from typing import Protocol
 
+from torchmp import _core
+
 # How long a SIGKILLed process gets to go before it is abandoned: one in
 # uninterruptible sleep (wedged on a device) cannot be reaped, and the
 # launcher must not hang on it.
@@ -54,6 +56,24 @@ class Target(Protocol):
 
     def killpg(self, sig: int) -> None:
         """Signal every process group whose leader's pid is still pinned."""
+
+
+class Ranks:
+    """A context's ranks (a native group) as the policy sees them; running()
+    says whether some leader still runs, as the context observes it."""
+
+    def __init__(self, group: _core.Group, running: Callable[[], bool]) -> None:
+        self._group = group
+        self.running = running
+
+    def version(self) -> int:
+        return self._group.version()
+
+    def busy(self) -> Sized:
+        return self._group.busy()
+
+    def killpg(self, sig: int) -> None:
+        self._group.killpg(sig)
 
 
 def _until_empty(target: Target, deadline: float) -> Generator[Wait, None, Sized]:
