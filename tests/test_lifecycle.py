@@ -185,8 +185,10 @@ def test_sigterm_to_launcher_raises_signal_exception_and_close_cleans_up(tmp_pat
         from torchmp import SignalException
         ctx = torchmp.start_processes("w", "sh", {{0: ("-c", "echo $$ >> {pidfile}; exec sleep 100")}},
                                       {{0: {{}}}}, torchmp.DefaultLogsSpecs(log_dir="{tmp_path}/logs"))
-        print("ready", flush=True)
         try:
+            # "ready" from inside the try: a SIGTERM right after it is read
+            # must not find the launcher still before the try.
+            print("ready", flush=True)
             ctx.wait()
         except SignalException as e:
             print("caught", e.sigval.name, flush=True)
