@@ -22,6 +22,12 @@ import psutil
 import pytest
 
 from helpers import Launcher, Launchers, kill_groups, read_pids, run_launcher, wait_gone, wait_no_tagged
+from torchmp import _core
+
+# The portable build has no child subreaper (docs/packaging.md): only the
+# last test, which checks what it does instead, runs there.
+needs_subreaper = pytest.mark.skipif(_core.PORTABLE_BUILD,
+                                     reason="a build without the child subreaper (TORCHMP_PORTABLE)")
 
 UNSET = ("TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCHMP_FORWARD_SIGNALS", "TORCHMP_HANG_REPORT_SIGNAL")
 
@@ -57,6 +63,7 @@ def written(tmp_path: Path) -> list[int]:
     return [int(x) for x in path.read_text().split()] if path.exists() else []
 
 
+@needs_subreaper
 def test_setsid_children_are_stopped_after_a_clean_run(run, tmp_path):
     la = run()
     try:
@@ -71,6 +78,7 @@ def test_setsid_children_are_stopped_after_a_clean_run(run, tmp_path):
     assert wait_no_tagged(la.tag) == []
 
 
+@needs_subreaper
 def test_an_escapee_that_ignores_sigterm_gets_sigkill_after_the_grace(run, tmp_path):
     started = time.monotonic()
     la = run("--shutdown-timeout", "1", on_term="ignore")
@@ -83,6 +91,7 @@ def test_an_escapee_that_ignores_sigterm_gets_sigkill_after_the_grace(run, tmp_p
         kill_groups(written(tmp_path))
 
 
+@needs_subreaper
 def test_escapees_are_stopped_after_a_failure_too(run, tmp_path):
     la = run(code="3")
     try:
@@ -112,6 +121,7 @@ print(result.failures, ctx.escaped, alive, flush=True)
 """
 
 
+@needs_subreaper
 def test_library_subreaper_stops_the_contexts_escapees_only(tmp_path):
     script = f"RANK = {RANK!r}\n" + LIBRARY
     done = run_launcher(f"import os; os.chdir({str(tmp_path)!r})\n" + script, timeout=60)
@@ -123,6 +133,7 @@ def test_library_subreaper_stops_the_contexts_escapees_only(tmp_path):
         kill_groups(written(tmp_path))
 
 
+@needs_subreaper
 def test_library_subreaper_must_be_a_bool(tmp_path):
     import torchmp
     from torchmp import DefaultLogsSpecs
@@ -134,6 +145,7 @@ def test_library_subreaper_must_be_a_bool(tmp_path):
     assert not torchmp._core.is_child_subreaper()  # checked before anything was set
 
 
+@needs_subreaper
 def test_reparented_processes_that_exit_during_the_run_are_reaped_meanwhile(tmp_path):
     # Each rank leaves three short-lived orphans (their shell exits first),
     # then runs on: they must not pile up as zombies of torchmp run.
@@ -154,3 +166,26 @@ def test_reparented_processes_that_exit_during_the_run_are_reaped_meanwhile(tmp_
         assert la.finish(60) == 0
         # They stayed in their rank's groups: not counted as escapees.
         assert not any("had left their rank's process group" in line for line in la.err)
+
+
+@pytest.mark.skipif(not _core.PORTABLE_BUILD, reason="the Linux build has the child subreaper")
+def test_a_build_without_the_subreaper_says_so_only_when_asked(tmp_path):
+    # torchmp run goes on silently (the docs say what it cannot catch);
+    # the library's explicit opt-in is refused before anything starts.
+    with Launcher([sys.executable, "-m", "torchmp", "run", "-n", "1", "--log-dir", str(tmp_path / "logs"),
+                   "--", "sh", "-c", "echo ran"], unset=UNSET) as launcher:
+        code, out, err = launcher.communicate(60)
+    assert code == 0, err
+    assert out == "[sh0]:ran\n"
+    assert "subreaper" not in err and "cannot catch" not in err, err
+    result = run_launcher(f"""
+        import errno, torchmp
+        try:
+            torchmp.start_processes("w", "sh", {{0: ("-c", "echo started > {tmp_path}/started")}}, {{0: {{}}}},
+                                    torchmp.DefaultLogsSpecs(log_dir="{tmp_path}/lib"), subreaper=True)
+        except OSError as e:
+            print("refused", errno.errorcode[e.errno])
+    """)
+    assert result.stdout == b"refused ENOSYS\n", result
+    assert not (tmp_path / "started").exists()
+    assert not (tmp_path / "lib").exists() or not any((tmp_path / "lib").iterdir())

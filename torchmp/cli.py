@@ -55,6 +55,7 @@ Python stack in the rank's stderr.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -590,7 +591,10 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
         _escapees.make_subreaper()
     except OSError as e:
         run.escaped = None
-        _say(f"cannot catch processes that leave their rank's process group: {e.strerror or e}")
+        # A build without the setting (the portable one) says so in its
+        # docs, not in every run; a kernel that refuses it is news.
+        if e.errno != errno.ENOSYS:
+            _say(f"cannot catch processes that leave their rank's process group: {e.strerror or e}")
     run.caught = _install_handlers(plan)  # before the first worker exists
     run.install_report_handler()
     try:
