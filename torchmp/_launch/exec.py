@@ -166,20 +166,30 @@ def check_picklable(method: str, fn: Callable[..., Any], args: Mapping[int, tupl
             raise ValueError(f"args[{rank}] cannot be pickled for start_method={method!r}: {e}") from None
 
 
-class SpawnLaunch(Launch):
+class FunctionLaunch(Launch):
+    """A start method whose ranks each run ``fn(*args[rank])`` with
+    ``envs[rank]`` on top of the launcher's environment."""
+
+    #: Whether ``fn`` and the args reach the ranks pickled (checked here,
+    #: before anything starts: spawn and forkserver; a fork inherits them).
+    pickled = True
+
+    def __init__(self, name: str, fn: Callable[..., Any], args: Mapping[int, tuple[Any, ...]],
+                 envs: Mapping[int, Mapping[str, Any]]) -> None:
+        if self.pickled:
+            check_picklable(self.method, fn, args)
+        self.name = name
+        self.fn = fn
+        self.args = args
+        self.envs = envs
+
+
+class SpawnLaunch(FunctionLaunch):
     """``spawn``: every rank is a fresh interpreter (exec'd like a binary)
     that reads its pickled function and args from a payload file and sends
     its return value down its return channel (see ``worker``)."""
 
     method = "spawn"
-
-    def __init__(self, name: str, fn: Callable[..., Any], args: Mapping[int, tuple[Any, ...]],
-                 envs: Mapping[int, Mapping[str, Any]]) -> None:
-        check_picklable(self.method, fn, args)
-        self.name = name
-        self.fn = fn
-        self.args = args
-        self.envs = envs
 
     def launch(self, group: _core.Group, streams: Sequence[RankStreams], bindings: Mapping[int, _core.Binding],
                abort: Callable[[], None]) -> None:

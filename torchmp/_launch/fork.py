@@ -17,23 +17,18 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torchmp import _core
-from torchmp._launch import Launch, worker
+from torchmp._launch import worker
 from torchmp._launch.env import apply_rank_env
+from torchmp._launch.exec import FunctionLaunch
 from torchmp._launch.streams import RETURN_CHANNEL, RankStreams
 from torchmp._signals import SignalException, handled_signals
 
 logger = logging.getLogger("torchmp.api")
 
 
-class ForkLaunch(Launch):
+class ForkLaunch(FunctionLaunch):
     method = "fork"
-
-    def __init__(self, name: str, fn: Callable[..., Any], args: Mapping[int, tuple[Any, ...]],
-                 envs: Mapping[int, Mapping[str, Any]]) -> None:
-        self.name = name
-        self.fn = fn
-        self.args = args
-        self.envs = envs
+    pickled = False
 
     def launch(self, group: _core.Group, streams: Sequence[RankStreams], bindings: Mapping[int, _core.Binding],
                abort: Callable[[], None]) -> None:

@@ -43,9 +43,9 @@ from typing import Any
 from collections.abc import Callable, Mapping, Sequence
 
 from torchmp import _core
-from torchmp._launch import Launch, worker as _worker
+from torchmp._launch import worker as _worker
 from torchmp._launch.env import exec_env, rank_environb
-from torchmp._launch.exec import alias_main_for_workers, check_picklable
+from torchmp._launch.exec import FunctionLaunch, alias_main_for_workers
 from torchmp._launch.streams import NO_STREAM, RETURN_CHANNEL, RankStreams
 
 __all__ = ["ForkserverLaunch", "set_forkserver_preload", "get_forkserver"]
@@ -242,19 +242,11 @@ class ForkServer:
             group.drop_unstarted()
 
 
-class ForkserverLaunch(Launch):
+class ForkserverLaunch(FunctionLaunch):
     """``forkserver``: this process's forkserver (started on first use) forks
     every rank; the launcher gets the pids and watches them."""
 
     method = "forkserver"
-
-    def __init__(self, name: str, fn: Callable[..., Any], args: Mapping[int, tuple[Any, ...]],
-                 envs: Mapping[int, Mapping[str, Any]]) -> None:
-        check_picklable(self.method, fn, args)
-        self.name = name
-        self.fn = fn
-        self.args = args
-        self.envs = envs
 
     def launch(self, group: _core.Group, streams: Sequence[RankStreams], bindings: Mapping[int, _core.Binding],
                abort: Callable[[], None]) -> None:
