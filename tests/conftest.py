@@ -123,6 +123,12 @@ def _imports_torch(item: pytest.Item) -> bool:
     if fixture_info is not None:
         for defs in fixture_info.name2fixturedefs.values():
             functions += [d.func for d in defs]
+    # ... and the module's own helpers they call (one level down).
+    for function in list(functions):
+        code, names = getattr(function, "__code__", None), getattr(function, "__globals__", {})
+        if code is not None:
+            functions += [names[n] for n in code.co_names
+                          if inspect.isfunction(names.get(n)) and names[n].__module__ == function.__module__]
     for function in functions:
         try:
             if function is not None and _TORCH_IMPORT.search(inspect.getsource(function)):
