@@ -2,9 +2,16 @@
 tests of every start method are in test_functions.py)."""
 from __future__ import annotations
 
+import functools
+import os
+import signal
 from pathlib import Path
 
+import pytest
+
 import fn_workers as fw
+import torchmp
+from torchmp import DefaultLogsSpecs, SignalException
 from fn_helpers import forkserver_hygiene  # noqa: F401 (autouse: a fixture of this module)
 from helpers import run_launcher
 
@@ -25,3 +32,24 @@ def test_spawn_worker_imports_nothing_heavy(tmp_path):
     """)
     assert res.returncode == 0, res.stderr
     assert res.stdout.decode().strip() == str(dict.fromkeys(heavy, False))
+
+
+class _InterruptsPickling:
+    """An argument whose pickling is cut short by a handled signal."""
+
+    def __reduce__(self):
+        raise SignalException("Process 1 got signal: SIGTERM", sigval=signal.SIGTERM)
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+@pytest.mark.parametrize("where", ["entrypoint", "args"])
+def test_a_signal_during_the_pickle_check_stops_the_launch_as_a_signal(tmp_path, method, where):
+    # A SignalException is an Exception (as torch's is): the pickle check
+    # must not take it for an unpicklable payload (CI's interrupted
+    # forkserver launch got "entrypoint sleep cannot be pickled").
+    entry = functools.partial(os.getpid, _InterruptsPickling()) if where == "entrypoint" else os.getpid
+    args = {0: (_InterruptsPickling(),)} if where == "args" else {0: ()}
+    with pytest.raises(SignalException):
+        torchmp.start_processes("w", entry, args, {0: {}}, DefaultLogsSpecs(log_dir=str(tmp_path)),
+                                start_method=method)
+    assert not any(tmp_path.iterdir())  # refused before anything was made

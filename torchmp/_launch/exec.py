@@ -20,6 +20,7 @@ from torchmp import _core
 from torchmp._launch import Launch, worker
 from torchmp._launch.env import exec_env, launcher_environ
 from torchmp._launch.streams import NO_STREAM, RETURN_CHANNEL, RankStreams
+from torchmp._signals import SignalException
 
 # torch's contexts log as its api module; so do torchmp's.
 logger = logging.getLogger("torchmp.api")
@@ -151,8 +152,12 @@ def alias_main_for_workers() -> None:
 def check_picklable(method: str, fn: Callable[..., Any], args: Mapping[int, tuple[Any, ...]]) -> None:
     """A clear error, before anything starts, for what ``spawn`` and
     ``forkserver`` cannot send to a worker."""
+    # A handled signal's SignalException is an Exception too (as torch's
+    # is): it stops the launch as itself, not as an unpicklable payload.
     try:
         pickle.dumps(fn, protocol=pickle.HIGHEST_PROTOCOL)
+    except SignalException:
+        raise
     except Exception as e:
         name = getattr(fn, "__qualname__", repr(fn))
         raise ValueError(
@@ -162,6 +167,8 @@ def check_picklable(method: str, fn: Callable[..., Any], args: Mapping[int, tupl
     for rank, rank_args in args.items():
         try:
             pickle.dumps(rank_args, protocol=pickle.HIGHEST_PROTOCOL)
+        except SignalException:
+            raise
         except Exception as e:
             raise ValueError(f"args[{rank}] cannot be pickled for start_method={method!r}: {e}") from None
 
