@@ -33,10 +33,12 @@ UNSET = ("TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCHMP_FORWARD_SIGNALS", "TORCHMP_H
 
 # A rank whose child leaves the group for a session of its own and becomes
 # a sleep ("$2": what it does on SIGTERM: "die" or "ignore", which exec
-# keeps), then exits ("$1": its exit code) without waiting for it.
+# keeps), then exits ("$1": its exit code) without waiting for it -- once
+# both ranks' escapees exist, so that a failing rank 0 cannot stop rank 1
+# before its escapee is born (seen under ASan).
 RANK = r"""
 setsid sh -c 'echo $$ >> "$0"; if [ "$1" = ignore ]; then trap "" TERM; fi; exec sleep 97' "$PWD/pids" "$2" &
-while [ "$(wc -l < "$PWD/pids" 2>/dev/null || echo 0)" -lt "$((LOCAL_RANK + 1))" ]; do sleep 0.01; done
+while [ "$(wc -l < "$PWD/pids" 2>/dev/null || echo 0)" -lt 2 ]; do sleep 0.01; done
 [ "$LOCAL_RANK" = 0 ] || sleep 0.3
 exit "$1"
 """
