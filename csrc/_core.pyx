@@ -433,6 +433,12 @@ def set_console_stall(double seconds):
     torchmp_consoles_set_stall(<int64_t>(seconds * 1e9) if seconds > 0 else 0)
 
 
+def console_gone(int err) -> bool:
+    """Whether a write error (an errno) means the console's reader went
+    away: it is dropped, not a failure."""
+    return torchmp_console_gone(err) != 0
+
+
 def console_failure(int std_fd) -> int:
     """The errno that switched the console of the launcher's fd (1 or 2)
     off since the last call, unless its reader went away; 0 if none."""

@@ -100,6 +100,11 @@ static void drops_free(torchmp_console *c)
     c->drops = NULL;
 }
 
+int torchmp_console_gone(int err)
+{
+    return err == EPIPE || err == EIO;
+}
+
 /* Switch the console off for good: no more writes, nothing kept.  The fd
  * stays open until the console is freed: the loop may be watching it, and
  * its number must not be reused under that watch. */
@@ -107,7 +112,7 @@ static void console_break(torchmp_console *c, int err)
 {
     if (c->broken_errno == 0) {
         c->broken_errno = err != 0 ? err : EIO;
-        if ((c->std_fd == 1 || c->std_fd == 2) && c->broken_errno != EPIPE && c->broken_errno != EIO)
+        if ((c->std_fd == 1 || c->std_fd == 2) && !torchmp_console_gone(c->broken_errno))
             __atomic_store_n(&std_failures[c->std_fd], c->broken_errno, __ATOMIC_RELAXED);
     }
     c->start = c->len = 0;

@@ -82,6 +82,7 @@ cdef extern from "torchmp.h" nogil:
     int torchmp_say(torchmp_console *queue, int fd, const char *data, size_t len)
     int torchmp_loop_exists()
     void torchmp_consoles_set_stall(int64_t ns)
+    int torchmp_console_gone(int err)
     int torchmp_console_failure(int std_fd)
     void torchmp_queues_post()
     uint64_t torchmp_queues_generation()

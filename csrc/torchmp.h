@@ -243,6 +243,11 @@ void torchmp_console_skipped(torchmp_console *c, const torchmp_console_source *s
  * stalled (default 10 s; <= 0: never). */
 void torchmp_consoles_set_stall(int64_t ns);
 int64_t torchmp_consoles_stall(void);
+/* Whether a write error means the console's reader went away (EPIPE: the
+ * reader of a pipe; EIO: a terminal whose master side was closed): such a
+ * console is dropped, not a failure.  The one errno set for it; Python asks
+ * through _core.console_gone. */
+int torchmp_console_gone(int err);
 /* Why the console of the launcher's fd 1 or 2 was switched off (ENOSPC,
  * ...), unless its reader went away (EPIPE, EIO); 0 if not.  Read once. */
 int torchmp_console_failure(int std_fd);

@@ -8,14 +8,13 @@ is written to the stream itself, through a console that may be closed or
 gone (then it is dropped, never an error)."""
 from __future__ import annotations
 
-import errno
 import os
 import signal
 import sys
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from torchmp import _console
+from torchmp import _console, _core
 from torchmp.errors import ProcessFailure
 
 _MIB = 1024 * 1024
@@ -24,13 +23,10 @@ _MIB = 1024 * 1024
 # Reporting
 
 
-#: Write errors that mean the console is closed (EPIPE: the reader of a pipe
-#: went away) or gone (EIO: a terminal whose master side was closed).
-_CONSOLE_GONE = frozenset((errno.EPIPE, errno.EIO))
-
-
 def _console_gone(e: BaseException | None) -> bool:
-    return isinstance(e, OSError) and e.errno in _CONSOLE_GONE
+    """Whether a write error means the console is closed or gone (the
+    core's one errno set for it)."""
+    return isinstance(e, OSError) and e.errno is not None and _core.console_gone(e.errno)
 
 
 def _drop_console(stream: Any) -> None:
@@ -137,8 +133,7 @@ def _summary_reason(failure: ProcessFailure) -> str:
     the rank's last words; nothing where the exit column says it all."""
     if failure.cause:
         return failure.cause.split(" (", 1)[0]
-    recorded = failure.error_file_data.get("message") not in (None, "<NONE>")
-    if not recorded and not failure.stderr_tail.strip():
+    if not failure.has_recorded_message and not failure.stderr_tail.strip():
         return ""
     reason = failure.headline
     if len(reason) > SUMMARY_REASON_WIDTH:

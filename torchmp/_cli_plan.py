@@ -15,6 +15,7 @@ from typing import Any, NoReturn, TypeVar
 
 from torchmp import _console, _slurm
 from torchmp._inputs import stderr_tail_bound
+from torchmp._shutdown import SHUTDOWN_GRACE_SECONDS
 from torchmp._signals import (
     DEFAULT_FORWARD_SIGNALS,
     DEFAULT_REPORT_SIGNAL,
@@ -176,10 +177,11 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="torchrun's name: when a rank fails, stop the others and start the whole "
                         "group again, up to N times (each attempt in its own attempt_K directory, "
                         "with TORCHELASTIC_RESTART_COUNT=K); default 0")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+    p.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_GRACE_SECONDS,
+                   metavar="SECONDS",
                    help="when torchmp run gets a signal, how long the workers get to exit "
-                        "after it is passed on to them, before SIGKILL (default: 30; the "
-                        "fail-fast shutdown after a rank fails always allows 30)")
+                        f"after it is passed on to them, before SIGKILL (default: {SHUTDOWN_GRACE_SECONDS:g}; "
+                        f"the fail-fast shutdown after a rank fails always allows {SHUTDOWN_GRACE_SECONDS:g})")
     p.add_argument("--nnodes", type=int, default=None,
                    help="number of hosts in the job (default: 1, or $SLURM_NNODES in a Slurm job); "
                         "each host runs its own torchmp run with the same "
@@ -584,9 +586,6 @@ class _Plan:
 class _AnnouncingLogsSpecs(DefaultLogsSpecs):
     """torchrun's layout; says where the run's files are before any rank starts."""
 
-    #: The attempt's directory ({log_dir}/{name}_<random>/attempt_K), None for none.
-    run_dir: str | None = None
-
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         try:
             dest = super().reify(envs)
@@ -594,10 +593,8 @@ class _AnnouncingLogsSpecs(DefaultLogsSpecs):
             raise _SetupError(_describe_mkdir_error(e, self.root_log_dir)) from e
         if self.root_log_dir == os.devnull:
             _say(f"no log files (--log-dir {os.devnull})")
-        elif dest.error_files:
-            attempt_dir = os.path.dirname(os.path.dirname(dest.error_files[0]))
-            self.run_dir = attempt_dir
-            _say(f"log directory: {attempt_dir}")
+        elif self.attempt_dir is not None:
+            _say(f"log directory: {self.attempt_dir}")
         return dest
 
 

@@ -23,6 +23,7 @@ from torchmp._inputs import (
 )
 from torchmp._pcontext import PContext, ResourceUsage, RunProcsResult, exitcode
 from torchmp._shutdown import KILL_GRACE_SECONDS as KILL_GRACE_SECONDS
+from torchmp._shutdown import SHUTDOWN_GRACE_SECONDS
 from torchmp._signals import close_despite_interrupts
 from torchmp.errors import ProcessFailure, root_cause
 from torchmp._tails import _file_tail, rank_tail
@@ -43,7 +44,7 @@ class _NativeContext(PContext):
     console_backlog: int | None = None
     # How long siblings get after SIGTERM when a rank fails, before SIGKILL
     # (torch's fixed 30 s by default).
-    fail_fast_timeout: float = 30
+    fail_fast_timeout: float = SHUTDOWN_GRACE_SECONDS
     kill_on_bad_exit: bool = True  # torchmp extension: False, every rank runs to its end
     # torchmp extension: how many of its last stderr lines a failed rank's
     # report carries (0: none; see stderr_tail_bound).
@@ -300,7 +301,7 @@ class _NativeContext(PContext):
                     timestamp_ns=time.time_ns(), terminated_by_launcher=True)
                 why = (f"did not exit {KILL_GRACE_SECONDS:.1f}s after SIGKILL and was abandoned "
                        "(uninterruptible sleep?)")
-                if failures[rank].error_file_data.get("message") in (None, "<NONE>"):
+                if not failures[rank].has_recorded_message:
                     failures[rank].message = why
                 continue
             if info.state != _core.PROC_EXITED:
@@ -324,7 +325,7 @@ class _NativeContext(PContext):
                 failures[rank] = ProcessFailure(
                     local_rank=rank, pid=pid, exitcode=0, error_file=self.error_files.get(rank, ""),
                     timestamp_ns=info.exit_real_ns)
-                if failures[rank].error_file_data.get("message") in (None, "<NONE>"):
+                if not failures[rank].has_recorded_message:
                     failures[rank].message = problem
             elif code != 0:
                 # A lost status (the forkserver died with its workers) is a
@@ -344,7 +345,7 @@ class _NativeContext(PContext):
                 if info.status_lost:
                     why = self._lost_status_reason(rank)
                     logger.error("local rank %s (pid %s): %s", rank, pid, why)
-                    if failures[rank].error_file_data.get("message") in (None, "<NONE>"):
+                    if not failures[rank].has_recorded_message:
                         failures[rank].message = why
         # torch's order: the ranks that failed by themselves, then those the
         # launcher terminated, each by rank.
@@ -445,7 +446,7 @@ class _NativeContext(PContext):
         except ValueError:
             return []
 
-    def _close(self, death_sig: signal.Signals, timeout: float = 30) -> None:
+    def _close(self, death_sig: signal.Signals, timeout: float = SHUTDOWN_GRACE_SECONDS) -> None:
         with self._close_lock:
             if self._group is None or self._closed:
                 return
@@ -626,7 +627,7 @@ class _NativeContext(PContext):
 _live_contexts: set[_NativeContext] = set()
 
 # The grace period those contexts get at exit, as close()'s default.
-EXIT_CLOSE_TIMEOUT = 30.0
+EXIT_CLOSE_TIMEOUT = SHUTDOWN_GRACE_SECONDS
 
 
 def _close_live_contexts_at_exit() -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchmp import _escapees
+from torchmp._shutdown import SHUTDOWN_GRACE_SECONDS
 from torchmp.errors import ProcessFailure
 from torchmp.logs_specs import LogsSpecs, validate_full_rank
 
@@ -206,7 +207,7 @@ class PContext(abc.ABC):
         raise NotImplementedError
 
     @abc.abstractmethod
-    def _close(self, death_sig: signal.Signals, timeout: float = 30) -> None:
+    def _close(self, death_sig: signal.Signals, timeout: float = SHUTDOWN_GRACE_SECONDS) -> None:
         raise NotImplementedError
 
     def send_signal(self, sig: int, ranks: Iterable[int] | None = None) -> list[int]:
@@ -236,7 +237,7 @@ class PContext(abc.ABC):
     def _send_signal(self, sig: int, ranks: list[int] | None) -> list[int]:
         raise NotImplementedError(f"{type(self).__name__} cannot send signals to its ranks")
 
-    def close(self, death_sig: signal.Signals | None = None, timeout: float = 30) -> None:
+    def close(self, death_sig: signal.Signals | None = None, timeout: float = SHUTDOWN_GRACE_SECONDS) -> None:
         """Terminate every worker: ``death_sig`` (default SIGTERM) to each
         worker's process group, SIGKILL to what is left after ``timeout``
         seconds.  Idempotent."""

@@ -27,6 +27,12 @@ from typing import Protocol
 
 from torchmp import _core
 
+#: How long the processes get to exit after the death signal, before
+#: SIGKILL, unless told otherwise: torch's fixed 30 s (close()'s default,
+#: fail-fast, a launch interrupted, the contexts closed at exit, ``torchmp run
+#: --shutdown-timeout``).
+SHUTDOWN_GRACE_SECONDS = 30.0
+
 # How long a SIGKILLed process gets to go before it is abandoned: one in
 # uninterruptible sleep (wedged on a device) cannot be reaped, and the
 # launcher must not hang on it.

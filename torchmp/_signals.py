@@ -10,9 +10,12 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any
+
+from torchmp import _core
 
 if TYPE_CHECKING:
     from torchmp._pcontext import PContext
@@ -192,16 +195,21 @@ def _interrupt_signal(exc: BaseException) -> signal.Signals:
     return signal.SIGTERM
 
 
-def handled_signals(log_unknown: bool = True) -> list[signal.Signals]:
-    """The signals named in TORCHELASTIC_SIGNALS_TO_HANDLE (default SIGTERM,
-    SIGINT, SIGHUP, SIGQUIT); unknown names are skipped (and logged, unless
-    the caller knows they were logged already)."""
+def _handled_signal_names() -> list[str]:
+    """The names TORCHELASTIC_SIGNALS_TO_HANDLE lists (default torchelastic's
+    four): the variable's one parser, behind handled_signals and
+    install_handlers."""
     names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", _DEFAULT_HANDLED_NAMES)
+    return [name.strip() for name in names.split(",") if name.strip()]
+
+
+def handled_signals(log_unknown: bool = True) -> list[signal.Signals]:
+    """The signals that stop a launch: those named in
+    TORCHELASTIC_SIGNALS_TO_HANDLE (default SIGTERM, SIGINT, SIGHUP,
+    SIGQUIT); unknown names are skipped (and logged, unless the caller knows
+    they were logged already).  Every launcher asks this function."""
     found = []
-    for name in names.split(","):
-        name = name.strip()
-        if not name:
-            continue
+    for name in _handled_signal_names():
         sig = getattr(signal, name, None)
         if not isinstance(sig, signal.Signals):
             if log_unknown:
@@ -215,30 +223,70 @@ def handled_signals(log_unknown: bool = True) -> list[signal.Signals]:
 # replace them to watch what start() does).
 
 
-def install_handlers(signal_module: Any, threading_module: Any, log: logging.Logger | Any,
-                     is_windows: bool) -> None:
-    """Turn TORCHELASTIC_SIGNALS_TO_HANDLE into SignalException, with torch's
-    log lines; only the main thread can install handlers.  The modules and
-    the logger are parameters: torch's tests replace api.signal, api.threading
-    and api.logger, and PContext.start passes those (see api)."""
+def install_handlers(signal_module: Any = signal, threading_module: Any = threading,
+                     log: logging.Logger | Any = None, is_windows: bool = False,
+                     handler: Callable[[int, FrameType | None], Any] = _terminate_process_handler) -> None:
+    """Point the handled signals (:func:`handled_signals`'s names) at
+    ``handler`` (by default one raising SignalException), with torch's log
+    lines (none if ``log`` is None); only the main thread can install
+    handlers.  The modules and the logger are parameters: torch's tests
+    replace api.signal, api.threading and api.logger, and PContext.start
+    passes those (see api); the torchrun plug-in passes a handler raising
+    torch's own SignalException."""
     if threading_module.current_thread() is not threading_module.main_thread():
-        log.warning(
-            "Failed to register signal handlers since torchelastic is running on a child thread. "
-            "This could lead to orphaned worker processes if the torchrun is terminated."
-        )
+        if log is not None:
+            log.warning(
+                "Failed to register signal handlers since torchelastic is running on a child thread. "
+                "This could lead to orphaned worker processes if the torchrun is terminated."
+            )
         return
-    names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", _DEFAULT_HANDLED_NAMES)
-    for sig_name in names.split(","):
-        sig_name = sig_name.strip()
-        if not sig_name:
-            continue
+    for sig_name in _handled_signal_names():
         try:
-            signal_module.signal(getattr(signal_module, sig_name), _terminate_process_handler)
-            log.info("Registered signal handler for %s", sig_name)
+            signal_module.signal(getattr(signal_module, sig_name), handler)
+            if log is not None:
+                log.info("Registered signal handler for %s", sig_name)
         except (AttributeError, ValueError, OSError) as e:
-            log.warning("Failed to register signal handler for %s: %s", sig_name, e)
+            if log is not None:
+                log.warning("Failed to register signal handler for %s: %s", sig_name, e)
         except RuntimeError as e:
-            if is_windows and sig_name in _WINDOWS_UNSUPPORTED:
+            if log is None:
+                pass
+            elif is_windows and sig_name in _WINDOWS_UNSUPPORTED:
                 log.info("Signal %s is not supported on Windows, skipping", sig_name)
             else:
                 log.warning("Failed to register signal handler for %s: %s", sig_name, e)
+
+
+class StopSignal(SignalException):
+    """A signal that stops ``torchmp run`` though it is none of the handled
+    ones: the workers are terminated with SIGTERM, the exit status is
+    128 + ``signum``."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"Process {os.getpid()} got signal: {signal_name(signum)}", sigval=signal.SIGTERM)
+        self.signum = signum
+
+
+def _stop_handler(signum: int, frame: FrameType | None) -> None:
+    raise StopSignal(signum)
+
+
+def install_launcher_handlers(forward: Sequence[int], report: int | None) -> list[int]:
+    """``torchmp run``'s handlers: catch every signal that would kill it and
+    that it neither forwards nor takes as the report request.  The handled
+    signals (torchelastic's four, which ``torchmp run`` always passes on,
+    and whatever :func:`handled_signals` names: start_processes installs
+    those too) raise SignalException with the signal itself, any other one
+    :class:`StopSignal` (the workers get SIGTERM).  Returns the signals to
+    block while the workers start: all of these and the handled ones, bar
+    the faults (a real fault cannot wait)."""
+    handled = set(DEFAULT_HANDLED_SIGNALS) | set(handled_signals(log_unknown=False))
+    # A report signal TORCHELASTIC_SIGNALS_TO_HANDLE names stops the job.
+    caught = stop_signals(forward, None if report in handled else report)
+    for sig in caught:
+        handler = _terminate_process_handler if sig in handled else _stop_handler
+        if sig in FAULT_SIGNALS:
+            _core.route_sent_faults(sig, handler)
+        else:
+            signal.signal(sig, handler)
+    return sorted(sig for sig in set(caught) | handled if sig not in FAULT_SIGNALS)

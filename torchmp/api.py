@@ -67,6 +67,7 @@ from torchmp._native import (
     _NativeContext as _NativeContext,
 )
 from torchmp._pcontext import PContext, ResourceUsage, RunProcsResult, TeeTail as TeeTail
+from torchmp._shutdown import SHUTDOWN_GRACE_SECONDS
 from torchmp._signals import (
     SignalException,
     _interrupt_signal,
@@ -372,6 +373,6 @@ def start_processes(  # type: ignore[misc]  # one body for both overloads: its 5
         # The caller never gets the context: nothing it started may outlive
         # this call.  The workers get the signal that interrupted the launch
         # (SIGTERM after an error) and close()'s usual grace.
-        close_despite_interrupts(context, _interrupt_signal(e), 30)
+        close_despite_interrupts(context, _interrupt_signal(e), SHUTDOWN_GRACE_SECONDS)
         raise
     return context

@@ -70,14 +70,11 @@ from typing import Any
 from torchmp import _console, _core, _escapees, _hang
 from torchmp._launch.exec import resolve_executable
 from torchmp._signals import (
-    DEFAULT_HANDLED_SIGNALS,
-    FAULT_SIGNALS,
     SignalException,
-    _terminate_process_handler,
     close_despite_interrupts,
     handled_signals,
+    install_launcher_handlers,
     signal_name,
-    stop_signals,
 )
 from torchmp.api import start_processes
 from torchmp.errors import ChildFailedError
@@ -104,10 +101,6 @@ from torchmp._cli_plan import (
 
 __all__ = ["build_parser", "main"]
 
-#: Signals that ``torchmp run`` passes on to its workers to terminate them
-#: (then exits 128 + N); every other signal that stops it sends SIGTERM.
-HANDLED_SIGNALS = DEFAULT_HANDLED_SIGNALS
-
 logger = logging.getLogger("torchmp.cli")
 
 #: ``--time-limit`` reached: ``timeout(1)``'s and mpirun's status.
@@ -119,34 +112,6 @@ ESCAPEE_SWEEP_SECONDS = 5.0
 
 # ---------------------------------------------------------------------------
 # Running
-
-
-class _StopSignal(SignalException):
-    """A signal that stops ``torchmp run`` though it is none of the handled
-    ones: the workers are terminated with SIGTERM, the exit status is
-    128 + ``signum``."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"Process {os.getpid()} got signal: {signal_name(signum)}", sigval=signal.SIGTERM)
-        self.signum = signum
-
-
-def _stop_handler(signum: int, frame: Any) -> None:
-    raise _StopSignal(signum)
-
-
-def _install_handlers(plan: _Plan) -> list[int]:
-    """Catch every signal that would kill ``torchmp run`` and that it does
-    not forward or take as the report request; returns those that may be
-    blocked during the launch (the faults never are)."""
-    caught = stop_signals(plan.forward_signals, plan.report_signal)
-    for sig in caught:
-        handler = _terminate_process_handler if sig in HANDLED_SIGNALS else _stop_handler
-        if sig in FAULT_SIGNALS:
-            _core.route_sent_faults(sig, handler)
-        else:
-            signal.signal(sig, handler)
-    return [sig for sig in caught if sig not in FAULT_SIGNALS]
 
 
 # The handler _configure_logging added (main() may run more than once in a
@@ -177,8 +142,9 @@ class _Run:
         #: The signal that stopped the run (and the one its workers got).
         self.signal: int | None = None
         self.death_signal = signal.SIGTERM
-        #: What _install_handlers caught (blocked while the workers start).
-        self.caught: list[int] = list(HANDLED_SIGNALS)
+        #: What install_launcher_handlers caught and the handled signals
+        #: (blocked while the workers start).
+        self.caught: list[int] = sorted(handled_signals(log_unknown=False))
         self.started = time.monotonic()
         #: The first attempt's start (--time-limit counts from it), and which
         #: attempt this is (--max-restarts).
@@ -323,9 +289,9 @@ class _Run:
         text = self.hang.report(plan.name, reason, pids, range(plan.nproc), plan.global_rank,
                                 _hang.output_ages(ctx), time.monotonic())
         text += self._stacks(pids)
-        run_dir = self.specs.run_dir if self.specs is not None else None
-        if run_dir is not None:
-            path = os.path.join(run_dir, f"hang-report-{self.hang.count}.txt")
+        attempt_dir = self.specs.attempt_dir if self.specs is not None else None
+        if attempt_dir is not None:
+            path = os.path.join(attempt_dir, f"hang-report-{self.hang.count}.txt")
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
                              | getattr(os, "O_NOFOLLOW", 0), 0o644)
@@ -448,8 +414,8 @@ class _Run:
         self.result = self.ctx.wait(0)
 
     def shut_down(self, e: SignalException) -> None:
-        """Terminate the workers (with the signal itself if it is one of
-        HANDLED_SIGNALS, else SIGTERM); a second signal means SIGKILL now."""
+        """Terminate the workers (with the signal itself if it is a handled
+        one, else SIGTERM); a second signal means SIGKILL now."""
         if self.signal is None:
             self.signal = getattr(e, "signum", int(e.sigval))
             self.death_signal = e.sigval
@@ -595,7 +561,7 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
         # docs, not in every run; a kernel that refuses it is news.
         if e.errno != errno.ENOSYS:
             _say(f"cannot catch processes that leave their rank's process group: {e.strerror or e}")
-    run.caught = _install_handlers(plan)  # before the first worker exists
+    run.caught = install_launcher_handlers(plan.forward_signals, plan.report_signal)  # before the first worker exists
     run.install_report_handler()
     try:
         try:

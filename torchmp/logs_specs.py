@@ -336,10 +336,18 @@ class DefaultLogsSpecs(LogsSpecs):
                 raise NotADirectoryError(f"log_dir: {path} is not a directory")
         super().__init__(path, redirects_, tee_, filter_)
         self._run_log_dir: str | None = None
+        self._attempt_dir: str | None = None
 
     @property
     def root_log_dir(self) -> str:
         return str(self._root_log_dir)
+
+    @property
+    def attempt_dir(self) -> str | None:
+        """The directory of the attempt the last :meth:`reify` laid out
+        (``<log_dir>/<run>/attempt_<n>``), None before it or with no files
+        (``log_dir`` os.devnull)."""
+        return self._attempt_dir
 
     def _make_run_log_dir(self, run_id: str) -> str:
         base = self._root_log_dir or tempfile.mkdtemp(prefix="torchelastic_")
@@ -413,6 +421,7 @@ class DefaultLogsSpecs(LogsSpecs):
         else:
             shutil.rmtree(attempt_dir, ignore_errors=True)
             os.makedirs(attempt_dir)
+        self._attempt_dir = attempt_dir
 
         # Plain ints and string concatenation: this loop runs once per rank
         # on every launch, and Std's enum operators cost more than the mkdir.

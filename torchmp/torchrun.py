@@ -38,14 +38,14 @@ import logging
 import os
 import signal
 import sys
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 from typing import Any
 
 import torchmp
 from torchmp import api as _tm_api
-from torchmp._signals import handled_signals
+from torchmp._shutdown import SHUTDOWN_GRACE_SECONDS
+from torchmp._signals import install_handlers
 from torchmp.errors import last_words, root_cause_order
 
 __all__ = ["main", "patched", "start_processes", "TorchNotAvailable"]
@@ -105,14 +105,9 @@ def _raise_torch_signal(signum: int, frame: FrameType | None) -> None:
 def _install_torch_signal_handlers() -> None:
     """Point the handled signals (``TORCHELASTIC_SIGNALS_TO_HANDLE``, set by
     torchrun) at a handler raising torch's ``SignalException``, which is what
-    the agent catches to shut the workers down with that signal."""
-    if threading.current_thread() is not threading.main_thread():
-        return  # torchmp has already warned about it
-    for sig in handled_signals(log_unknown=False):  # torchmp logged them
-        try:
-            signal.signal(sig, _raise_torch_signal)
-        except (OSError, ValueError, RuntimeError):
-            pass  # torchmp logged the failure when it tried the same
+    the agent catches to shut the workers down with that signal (quietly:
+    torchmp logged any failure when it tried the same)."""
+    install_handlers(handler=_raise_torch_signal)
 
 
 def to_torch_failure(failure: torchmp.ProcessFailure) -> Any:
@@ -197,7 +192,7 @@ class TorchrunContext:
             self._result = to_torch_result(result)
         return self._result
 
-    def close(self, death_sig: signal.Signals | None = None, timeout: float = 30) -> None:
+    def close(self, death_sig: signal.Signals | None = None, timeout: float = SHUTDOWN_GRACE_SECONDS) -> None:
         try:
             self._inner.close(death_sig, timeout)
         except _tm_api.SignalException as e:

@@ -104,6 +104,8 @@ JSON = dict[str, Any]
 GlobalRank = int
 
 _NOT_AVAILABLE: Final = "<N/A>"
+#: torch's ``error_file_data["message"]`` when no error file recorded one.
+NO_MESSAGE: Final = "<NONE>"
 _NS_PER_S: Final = 1_000_000_000
 
 _R = TypeVar("_R")
@@ -192,7 +194,7 @@ class ProcessFailure:
     )
 
     def __post_init__(self) -> None:
-        self.error_file_data = {"message": "<NONE>"}
+        self.error_file_data = {"message": NO_MESSAGE}
         self.message = ""
         file_timestamp: int | None = None
         # torch: a hand-written {"message": "<str>"} file without "timestamp" gets 0
@@ -268,6 +270,12 @@ class ProcessFailure:
             self.message = f"{self.message}; {self.cause}" if self.message else self.cause
 
     @property
+    def has_recorded_message(self) -> bool:
+        """Whether the error file recorded a message (``error_file_data`` is
+        torch's ``{"message": NO_MESSAGE}`` when there was no file)."""
+        return self.error_file_data.get("message") not in (None, NO_MESSAGE)
+
+    @property
     def headline(self) -> str:
         """This failure in one line, for reports: the error file's message;
         without one, the exception a Python traceback in the stderr tail
@@ -278,7 +286,7 @@ class ProcessFailure:
         if isinstance(message, dict):
             inner = message.get("message", _NOT_AVAILABLE)
             return str(inner).split("\n", 1)[0]
-        if self.error_file_data.get("message") in (None, "<NONE>") and self.stderr_tail.strip():
+        if not self.has_recorded_message and self.stderr_tail.strip():
             exception_line = exception_headline(self.stderr_tail)
             if exception_line is not None:
                 return exception_line if not self.cause else f"{exception_line}; {self.cause}"
@@ -481,7 +489,7 @@ def last_words(failure: ProcessFailure) -> str | None:
     stderr tail: the Python traceback in it, else its message followed by
     the tail's last lines; None when there is no tail or an error file won."""
     tail = failure.stderr_tail.rstrip()
-    if not tail or failure.error_file_data.get("message") not in (None, "<NONE>"):
+    if not tail or failure.has_recorded_message:
         return None
     traceback = python_traceback(tail)
     if traceback is not None:
