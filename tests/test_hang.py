@@ -28,7 +28,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from torchmp import _hang, cli
+from torchmp import _procfs
+from torchmp.cli import hang as _hang
+from torchmp.cli.job import Job
+from torchmp.cli.plan import Plan, UsageError, build_parser
 
 from helpers import Launcher, Launchers, pid_alive, table_rows, tagged, wait_no_tagged
 
@@ -54,27 +57,27 @@ def stat_line(pid: int, comm: str, state: str = "S", pgrp: int = 0, utime: int =
 
 @pytest.mark.parametrize("comm", ["python3", "a b", "x) S 1 2 3 (", "((", ")", "", "tr (ainer) R"])
 def test_parse_stat_splits_at_the_last_paren(comm):
-    st = _hang.parse_stat(stat_line(4242, comm, state="D", pgrp=4240, utime=11, stime=5, rss=321))
+    st = _procfs.parse_stat(stat_line(4242, comm, state="D", pgrp=4240, utime=11, stime=5, rss=321))
     assert st.pid == 4242 and st.comm == comm and st.state == "D"
     assert st.ppid == 1 and st.pgrp == 4240 and st.utime == 11 and st.stime == 5
     assert st.starttime == 555 and st.rss_pages == 321
 
 
 def test_parse_stat_of_a_real_process():
-    st = _hang.parse_stat(Path(f"/proc/{os.getpid()}/stat").read_text())
+    st = _procfs.parse_stat(Path(f"/proc/{os.getpid()}/stat").read_text())
     assert st.pid == os.getpid() and st.pgrp == os.getpgrp() and st.state == "R"
 
 
 @pytest.mark.parametrize("text", ["", "garbage", "12 (x) S 1 2", "x (y) S" + " 0" * 30])
 def test_parse_stat_rejects_what_is_not_a_stat_line(text):
     with pytest.raises(ValueError):
-        _hang.parse_stat(text)
+        _procfs.parse_stat(text)
 
 
 def test_parse_statm():
-    assert _hang.parse_statm("4139 3357 1736 1 0 420 0\n") == 3357
+    assert _procfs.parse_statm("4139 3357 1736 1 0 420 0\n") == 3357
     with pytest.raises(ValueError):
-        _hang.parse_statm("4139")
+        _procfs.parse_statm("4139")
 
 
 def fake_proc(root: Path, pid: int, comm: str = "python3", state: str = "S", utime: int = 7,
@@ -93,23 +96,23 @@ def test_read_wchan(tmp_path):
     fake_proc(tmp_path, 11, wchan="0")      # running (or hidden)
     fake_proc(tmp_path, 12, wchan="")
     fake_proc(tmp_path, 13, wchan=None)     # unreadable
-    assert _hang.read_wchan(10, str(tmp_path)) == "anon_pipe_read"
-    assert [_hang.read_wchan(p, str(tmp_path)) for p in (11, 12, 13, 14)] == ["-"] * 4
+    assert _procfs.read_wchan(10, str(tmp_path)) == "anon_pipe_read"
+    assert [_procfs.read_wchan(p, str(tmp_path)) for p in (11, 12, 13, 14)] == ["-"] * 4
 
 
 def test_sample(tmp_path):
     fake_proc(tmp_path, 20, comm="a) b", state="S", utime=30, stime=12, resident=512)
     fake_proc(tmp_path, 21, resident=None)  # statm missing: stat's rss field
-    s = _hang.sample(20, str(tmp_path))
-    assert s == _hang.RankSample(20, "S", 42, 512 * PAGE, "do_nanosleep")
-    assert _hang.sample(21, str(tmp_path)).rss == 100 * PAGE
-    assert _hang.sample(22, str(tmp_path)) == _hang.RankSample(22, "", 0, 0, "-")  # gone
+    s = _procfs.sample(20, str(tmp_path))
+    assert s == _procfs.RankSample(20, "S", 42, 512 * PAGE, "do_nanosleep")
+    assert _procfs.sample(21, str(tmp_path)).rss == 100 * PAGE
+    assert _procfs.sample(22, str(tmp_path)) == _procfs.RankSample(22, "", 0, 0, "-")  # gone
 
 
 def test_state_names():
-    assert [_hang.state_name(c) for c in "RSDZTt"] == [
+    assert [_procfs.state_name(c) for c in "RSDZTt"] == [
         "running", "sleeping", "uninterruptible (D)", "zombie", "stopped", "traced"]
-    assert _hang.state_name("?") == "?" and _hang.state_name("") == "?"
+    assert _procfs.state_name("?") == "?" and _procfs.state_name("") == "?"
 
 
 def column_starts(line: str) -> list[int]:
@@ -118,10 +121,10 @@ def column_starts(line: str) -> list[int]:
 
 def test_format_table_aligns_columns():
     rows = [
-        (0, _hang.RankSample(123, "S", 0, 10 * 1024 * 1024, "anon_pipe_read"), 0.0, 12.34),
-        (1, _hang.RankSample(4567890, "R", 0, 1536 * 1024 * 1024, "-"), 123.456, None),
-        (2, _hang.RankSample(77, "D", 0, 0, "folio_wait_bit_common"), 0.5, 0.04),
-        (3, _hang.RankSample(78, "", 0, 0, "-"), None, 3.0),
+        (0, _procfs.RankSample(123, "S", 0, 10 * 1024 * 1024, "anon_pipe_read"), 0.0, 12.34),
+        (1, _procfs.RankSample(4567890, "R", 0, 1536 * 1024 * 1024, "-"), 123.456, None),
+        (2, _procfs.RankSample(77, "D", 0, 0, "folio_wait_bit_common"), 0.5, 0.04),
+        (3, _procfs.RankSample(78, "", 0, 0, "-"), None, 3.0),
         (10, None, None, None),
     ]
     lines = _hang.format_table(rows).splitlines()
@@ -209,7 +212,7 @@ def test_output_ages_from_the_context_and_the_log_files(tmp_path):
 
 
 def test_python_pids_by_group_finds_this_interpreter():
-    found = _hang.python_pids_by_group([os.getpgrp(), 999999999])
+    found = _procfs.python_pids_by_group([os.getpgrp(), 999999999])
     assert found[999999999] == []
     if re.fullmatch(r"python[0-9.]*[dmu]*", os.path.basename(os.readlink("/proc/self/exe"))):
         assert os.getpid() in found[os.getpgrp()]
@@ -243,9 +246,9 @@ def test_py_spy_is_optional(monkeypatch):
 # Waking the run loop (in process, with a stub context)
 
 
-def make_run(*options: str) -> cli._Run:
-    args = cli.build_parser().parse_args([*options, "-n", "1", "true"])
-    return cli._Run(cli._Plan(args, args.command))
+def make_run(*options: str) -> Job:
+    args = build_parser().parse_args([*options, "-n", "1", "true"])
+    return Job(Plan(args, args.command))
 
 
 class StubCtx:
@@ -281,7 +284,7 @@ def report_handler(monkeypatch):
     assert signal.set_wakeup_fd(-1) == -1  # given back
 
 
-def run_stub(run: cli._Run, ctx: StubCtx, signal_at: float | None = None,
+def run_stub(run: Job, ctx: StubCtx, signal_at: float | None = None,
              reports_wanted: int = 1) -> list[tuple[str, float, bool, bool]]:
     """Run run.wait() over ctx: each report as (reason, when, whether the
     wait was still asleep or busy, whether it was made off the main
@@ -401,9 +404,9 @@ def test_torchelastic_signals_to_handle_naming_sigusr2_wins(report_handler, monk
 
 def test_usage_errors():
     for bad in ("0", "-1", "nan", "inf"):
-        args = cli.build_parser().parse_args(["--hang-report-after", bad, "-n", "1", "true"])
-        with pytest.raises(cli._UsageError, match="--hang-report-after must be > 0"):
-            cli._Plan(args, args.command)
+        args = build_parser().parse_args(["--hang-report-after", bad, "-n", "1", "true"])
+        with pytest.raises(UsageError, match="--hang-report-after must be > 0"):
+            Plan(args, args.command)
 
 
 # ---------------------------------------------------------------------------
@@ -461,8 +464,8 @@ def wchan_visible() -> bool:
     try:
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
-            if _hang.sample(p.pid).state == "S":
-                return _hang.read_wchan(p.pid) != "-"
+            if _procfs.sample(p.pid).state == "S":
+                return _procfs.read_wchan(p.pid) != "-"
             time.sleep(0.01)
         return False
     finally:
@@ -501,7 +504,7 @@ def test_sigusr2_prints_where_each_rank_is_and_stops_nothing(launcher, tmp_path)
     pids = {rank: int(row["pid"]) for rank, row in rows.items()}
     assert la.proc.poll() is None
     for pid in pids.values():
-        assert pid_alive(pid) and _hang.sample(pid).state in ("R", "S")
+        assert pid_alive(pid) and _procfs.sample(pid).state in ("R", "S")
 
     # The same report is in the run's directory.
     saved = next(line for line in la.err if "hang report 1 saved in" in line).split(" saved in ", 1)[1]
@@ -546,7 +549,7 @@ def test_report_with_py_spy_shows_each_python_rank(launcher, tmp_path):
     assert dumps[0] == f"torchmp: py-spy dump of rank 0 (pid {rows[0]['pid']}):"
     m = re.fullmatch(r"torchmp: py-spy dump of rank 1 \(pid (\d+)\):", dumps[1])
     assert m and int(m.group(1)) != shell  # the trainer, not the shell
-    assert _hang.parse_stat(Path(f"/proc/{m.group(1)}/stat").read_text()).pgrp == shell
+    assert _procfs.parse_stat(Path(f"/proc/{m.group(1)}/stat").read_text()).pgrp == shell
     assert f"Thread {m.group(1)} (idle): \"MainThread\"" in la.err
     saved = next(line for line in la.err if "hang report 1 saved in" in line).split(" saved in ", 1)[1]
     assert f"Thread {m.group(1)} (idle)" in Path(saved).read_text()
@@ -669,7 +672,7 @@ def got_term(la, n: int) -> None:
         for p in tagged(la.tag):
             try:
                 if "traps.py" in " ".join(p.cmdline()):
-                    s = _hang.sample(p.pid)   # wchan "-" where the kernel hides it
+                    s = _procfs.sample(p.pid)   # wchan "-" where the kernel hides it
                     if s.state == "S" and (s.wchan == "-" or "partner" in s.wchan or "fifo" in s.wchan):
                         asleep.append(p)
             except psutil.Error:

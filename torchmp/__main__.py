@@ -49,9 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return torchrun.main(argv[1:], prog="torchmp torchrun")
     if argv and argv[0] == "run":
-        from torchmp import cli
+        from torchmp.cli import main as run_main
 
-        return cli.main(argv[1:], prog="torchmp run")
+        return run_main(argv[1:], prog="torchmp run")
     _top_parser().parse_args(argv)  # prints help/version/usage errors and exits
     return 2  # pragma: no cover - parse_args exits for anything but run/torchrun
 

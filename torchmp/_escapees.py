@@ -28,7 +28,7 @@ import time
 from collections.abc import Collection
 
 from torchmp import _core
-from torchmp._hang import parse_stat
+from torchmp._procfs import parse_stat
 
 #: Set in every rank's environment by a context with subreaper=True: its
 #: escapees carry it (a process that clears its environment is missed).

@@ -113,7 +113,7 @@ def check_launcher_signals(forward: Sequence[int], report: int | None) -> list[i
     or if the report signal stops the job.  A signal
     TORCHELASTIC_SIGNALS_TO_HANDLE names stops the job, as in torchelastic,
     so it is left out of the answer (the report signal gives way the same
-    way: see ``torchmp.cli``)."""
+    way: see ``torchmp.cli.job``)."""
     for sig in forward:
         if sig in DEFAULT_HANDLED_SIGNALS:
             raise ValueError(f"{signal_name(sig)} stops the job (it is passed on to the ranks, "

@@ -39,7 +39,7 @@ from torchmp._placement import (
 )
 from torchmp._topology import BindingError, Topology
 from torchmp.logs_specs import DefaultLogsSpecs, LogsDest, Std, to_map
-from torchmp._cli_console import _say, _write_console
+from torchmp.cli.console import say, write_console
 
 PROG = "torchmp run"
 
@@ -52,11 +52,11 @@ DEFAULT_PREFIX = "[{name}{rank}]:"
 FAULTHANDLER_VAR = "PYTHONFAULTHANDLER"
 
 
-class _UsageError(Exception):
+class UsageError(Exception):
     pass
 
 
-class _SetupError(Exception):
+class SetupError(Exception):
     """Something torchmp run needs could not be made (nothing was started);
     ``str()`` is the whole message."""
 
@@ -71,7 +71,7 @@ class _Parser(argparse.ArgumentParser):
         # holds is written by the interpreter's last flush: failing there, it
         # prints "Exception ignored ..." and exits 120 instead of 0 or 2.
         if message:
-            _write_console(file or sys.stderr, message)
+            write_console(file or sys.stderr, message)
 
     def error(self, message: str) -> NoReturn:
         # argparse's own format ("usage: ...", "prog: error: ..."), exit code 2.
@@ -220,7 +220,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     return p
 
 
-def _split_command(argv: list[str]) -> tuple[list[str], list[str] | None]:
+def split_command(argv: list[str]) -> tuple[list[str], list[str] | None]:
     """Split at the first ``--``: (options, command), command None if absent."""
     try:
         i = argv.index("--")
@@ -233,11 +233,11 @@ def _parse_std(text: str, nproc: int, option: str) -> dict[int, Std]:
     try:
         setting = Std.from_str(text)
     except ValueError as e:
-        raise _UsageError(f"{option}: {e}") from None
+        raise UsageError(f"{option}: {e}") from None
     if isinstance(setting, dict):
         bad = sorted(r for r in setting if r >= nproc)
         if bad:
-            raise _UsageError(
+            raise UsageError(
                 f"{option}: local rank {bad[0]} is out of range 0..{nproc - 1} in {text!r}")
     return to_map(setting, nproc)
 
@@ -247,12 +247,12 @@ def _parse_ranks_filter(text: str, nproc: int) -> set[int]:
     for item in text.split(","):
         item = item.strip()
         if not item.isascii() or not item.isdigit():
-            raise _UsageError(
+            raise UsageError(
                 f"--local-ranks-filter: expected a comma-separated list of local ranks "
                 f"(e.g. '0,2'), got {text!r}")
         rank = int(item)
         if rank >= nproc:
-            raise _UsageError(
+            raise UsageError(
                 f"--local-ranks-filter: local rank {rank} is out of range 0..{nproc - 1}")
         ranks.add(rank)
     return ranks
@@ -263,9 +263,9 @@ def _parse_env(items: Sequence[str]) -> dict[str, str]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise _UsageError(f"--env: expected KEY=VALUE, got {item!r}")
+            raise UsageError(f"--env: expected KEY=VALUE, got {item!r}")
         if "\0" in item:
-            raise _UsageError(f"--env: {item!r} contains a NUL byte")
+            raise UsageError(f"--env: {item!r} contains a NUL byte")
         env[key] = value
     return env
 
@@ -274,20 +274,20 @@ def _check_prefix(template: str) -> None:
     try:
         fields = list(string.Formatter().parse(template))
     except ValueError as e:
-        raise _UsageError(f"--prefix: malformed template {template!r}: {e}") from None
+        raise UsageError(f"--prefix: malformed template {template!r}: {e}") from None
     for _, field, _, _ in fields:
         if field is None:
             continue
         base = field.split(".", 1)[0].split("[", 1)[0]
         if base not in PREFIX_FIELDS:
             shown = "{}" if field == "" else "{" + field + "}"
-            raise _UsageError(
+            raise UsageError(
                 f"--prefix: unknown field {shown} in {template!r}; the fields are "
                 + " ".join("{" + f + "}" for f in PREFIX_FIELDS))
     try:
         template.format(name="n", rank=0, local_rank=0, pid=1, host="h")
     except (ValueError, KeyError, IndexError, AttributeError, TypeError) as e:
-        raise _UsageError(f"--prefix: cannot format {template!r}: {e}") from None
+        raise UsageError(f"--prefix: cannot format {template!r}: {e}") from None
 
 
 def _check_name(name: str) -> None:
@@ -295,7 +295,7 @@ def _check_name(name: str) -> None:
     ``{log_dir}/{name}_<random>``): it must be one path component, or the logs
     and error files would land outside ``--log-dir``."""
     if "/" in name or "\0" in name or name in (".", ".."):
-        raise _UsageError(
+        raise UsageError(
             f"--name: {name!r} cannot name the run's log directory "
             "(it must not contain '/' or a NUL byte, nor be '.' or '..')")
 
@@ -319,7 +319,7 @@ def default_name(command: Sequence[str]) -> str:
     return program
 
 
-def _free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (bind to port 0, read it, close)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -346,7 +346,7 @@ def parse_cpu_bind(text: str) -> tuple[str, str, bool]:
         return "map", listed, verbose
     if mode in ("none", "cores", "numa") and not colon:
         return mode, "", verbose
-    raise _UsageError(
+    raise UsageError(
         f"--cpu-bind: unknown mode {text!r}; the modes are none, cores, numa, map:LIST "
         "(srun's map_cpu:LIST and ldoms too, after an optional 'verbose,')")
 
@@ -356,10 +356,10 @@ def _rank_cpus(args: argparse.Namespace, nproc: int) -> tuple[dict[int, frozense
     --numa-binding, checked against this machine."""
     mode, listed, verbose = parse_cpu_bind(args.cpu_bind) if args.cpu_bind is not None else ("none", "", False)
     if args.numa_binding is not None and mode != "none":
-        raise _UsageError("--cpu-bind and --numa-binding both say where ranks run: give one of them")
+        raise UsageError("--cpu-bind and --numa-binding both say where ranks run: give one of them")
     if mode == "none" and args.numa_binding is None:
         if args.mem_bind == "local":
-            raise _UsageError("--mem-bind local binds memory near a rank's CPUs: it needs "
+            raise UsageError("--mem-bind local binds memory near a rank's CPUs: it needs "
                               "--cpu-bind or --numa-binding")
         return None, verbose
     option = "--numa-binding" if args.numa_binding is not None else "--cpu-bind"
@@ -377,7 +377,7 @@ def _rank_cpus(args: argparse.Namespace, nproc: int) -> tuple[dict[int, frozense
         # here so that a bad option is a usage error.
         _plan_bindings(nproc, cpu_affinity=cpus, mem_bind=args.mem_bind, topology=topo)
     except (ValueError, TypeError, BindingError, NotImplementedError) as e:
-        raise _UsageError(f"{option}: {e}") from None
+        raise UsageError(f"{option}: {e}") from None
     return cpus, verbose
 
 
@@ -401,15 +401,15 @@ def _parse_warn_signal(text: str, time_limit: float | None) -> tuple[int, float]
     try:
         sig = parse_signal(name)
     except ValueError as e:
-        raise _UsageError(f"--signal: {e}") from None
+        raise UsageError(f"--signal: {e}") from None
     try:
         seconds = float(when) if at else DEFAULT_WARN_SECONDS
     except ValueError:
-        raise _UsageError(f"--signal: {when!r} is not a number of seconds (SIG@SECONDS)") from None
+        raise UsageError(f"--signal: {when!r} is not a number of seconds (SIG@SECONDS)") from None
     if time_limit is None:
-        raise _UsageError("--signal needs --time-limit (it is sent SECONDS before it)")
+        raise UsageError("--signal needs --time-limit (it is sent SECONDS before it)")
     if not 0 <= seconds < time_limit:
-        raise _UsageError(f"--signal: {seconds:g}s before the time limit must be in 0..{time_limit:g}s "
+        raise UsageError(f"--signal: {seconds:g}s before the time limit must be in 0..{time_limit:g}s "
                           "(--time-limit)")
     return sig, seconds
 
@@ -422,15 +422,15 @@ def _signal_setting(given: str | None, var: str, default: str, option: str, pars
     try:
         return parse(text)
     except ValueError as e:
-        raise _UsageError(f"{source}: {e}") from None
+        raise UsageError(f"{source}: {e}") from None
 
 
-class _Plan:
+class Plan:
     """Everything a launch needs, checked before anything starts."""
 
     def __init__(self, args: argparse.Namespace, command: list[str]) -> None:
         if not command:
-            raise _UsageError("no command given (put it after '--', e.g. "
+            raise UsageError("no command given (put it after '--', e.g. "
                               f"{PROG} -n 2 -- python train.py)")
         rendezvous_given = any(v is not None for v in (args.nnodes, args.node_rank, args.master_addr,
                                                        args.master_port))
@@ -438,7 +438,7 @@ class _Plan:
             alloc = (_slurm.allocation(os.environ, rendezvous=not rendezvous_given, nproc=args.nproc is None)
                      if args.slurm else None)
         except _slurm.SlurmError as e:
-            raise _UsageError(f"Slurm: {e} (or --no-slurm to ignore the job)") from None
+            raise UsageError(f"Slurm: {e} (or --no-slurm to ignore the job)") from None
         #: What came from the Slurm job, said before the launch ("" for nothing).
         self.slurm_note = alloc.describe() if alloc is not None else ""
         if alloc is not None:
@@ -446,36 +446,36 @@ class _Plan:
                 if getattr(args, option) is None:
                     setattr(args, option, getattr(alloc, option))
         if args.nproc is None:
-            raise _UsageError("the following arguments are required: -n/--nproc")
+            raise UsageError("the following arguments are required: -n/--nproc")
         if args.nnodes is None:
             args.nnodes = 1
         if args.node_rank is None:
             args.node_rank = 0
         if args.nproc < 1:
-            raise _UsageError(f"-n/--nproc must be at least 1, got {args.nproc}")
+            raise UsageError(f"-n/--nproc must be at least 1, got {args.nproc}")
         if args.nnodes < 1:
-            raise _UsageError(f"--nnodes must be at least 1, got {args.nnodes}")
+            raise UsageError(f"--nnodes must be at least 1, got {args.nnodes}")
         if not 0 <= args.node_rank < args.nnodes:
-            raise _UsageError(
+            raise UsageError(
                 f"--node-rank must be in 0..{args.nnodes - 1}, got {args.node_rank}")
         if args.nnodes > 1 and (args.master_addr is None or args.master_port is None):
-            raise _UsageError("--nnodes > 1 needs --master-addr and --master-port "
+            raise UsageError("--nnodes > 1 needs --master-addr and --master-port "
                               "(the same on every host)")
         if args.master_port is not None and not 0 < args.master_port < 65536:
-            raise _UsageError(f"--master-port must be in 1..65535, got {args.master_port}")
+            raise UsageError(f"--master-port must be in 1..65535, got {args.master_port}")
         #: Each rank's CPUs (None: no binding), and whether to say where ranks run.
         self.cpu_affinity, verbose = _rank_cpus(args, args.nproc)
         self.mem_bind: str | None = args.mem_bind
         self.report_bindings: bool = args.report_bindings or verbose
         if not args.shutdown_timeout >= 0:
-            raise _UsageError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+            raise UsageError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
         if args.hang_report_after is not None and not 0 < args.hang_report_after < float("inf"):
-            raise _UsageError(f"--hang-report-after must be > 0 seconds, got {args.hang_report_after}")
+            raise UsageError(f"--hang-report-after must be > 0 seconds, got {args.hang_report_after}")
         self.command = command
         self.nproc: int = args.nproc
         self.name: str = args.name if args.name is not None else default_name(command)
         if not self.name:
-            raise _UsageError("--name must not be empty")
+            raise UsageError("--name must not be empty")
         if args.name is not None:  # a default name is a base name already
             _check_name(self.name)
         redirects = _parse_std(args.redirects, self.nproc, "--redirects")
@@ -507,27 +507,27 @@ class _Plan:
         try:
             self.forward_signals = check_launcher_signals(forward, self.report_signal)
         except ValueError as e:
-            raise _UsageError(f"--forward-signals/--hang-report-signal: {e}") from None
+            raise UsageError(f"--forward-signals/--hang-report-signal: {e}") from None
         if args.time_limit is not None and not 0 < args.time_limit < float("inf"):
-            raise _UsageError(f"--time-limit must be > 0 seconds, got {args.time_limit}")
+            raise UsageError(f"--time-limit must be > 0 seconds, got {args.time_limit}")
         self.time_limit: float | None = args.time_limit
         if args.wait_after_exit is not None and not 0 <= args.wait_after_exit < float("inf"):
-            raise _UsageError(f"--wait must be >= 0 seconds, got {args.wait_after_exit}")
+            raise UsageError(f"--wait must be >= 0 seconds, got {args.wait_after_exit}")
         self.wait_after_exit: float | None = args.wait_after_exit
         self.kill_on_bad_exit: bool = bool(args.kill_on_bad_exit)
         if args.max_restarts < 0:
-            raise _UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+            raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
         self.max_restarts: int = args.max_restarts
         #: --signal: (signal, seconds before the time limit), or None.
         self.warn_signal = None if args.warn_signal is None else _parse_warn_signal(args.warn_signal, self.time_limit)
         try:
             self.console_backlog: int = _console.backlog_bound(args.console_backlog)
         except (TypeError, ValueError) as e:
-            raise _UsageError(f"--console-backlog: {e}" if args.console_backlog is not None else str(e)) from None
+            raise UsageError(f"--console-backlog: {e}" if args.console_backlog is not None else str(e)) from None
         try:
             self.stderr_tail: int = stderr_tail_bound(args.stderr_tail)
         except ValueError as e:
-            raise _UsageError(f"--stderr-tail: {e}" if args.stderr_tail is not None else str(e)) from None
+            raise UsageError(f"--stderr-tail: {e}" if args.stderr_tail is not None else str(e)) from None
         self.nnodes: int = args.nnodes
         self.node_rank: int = args.node_rank
         self.master_addr: str = args.master_addr or "127.0.0.1"
@@ -535,10 +535,10 @@ class _Plan:
         self.log_dir_arg: str | None = args.log_dir
         if self.log_dir_arg is not None:
             if not self.log_dir_arg:
-                raise _UsageError("--log-dir must not be empty")
+                raise UsageError("--log-dir must not be empty")
             if self.log_dir_arg != os.devnull and os.path.exists(self.log_dir_arg) \
                     and not os.path.isdir(self.log_dir_arg):
-                raise _UsageError(f"--log-dir: {self.log_dir_arg} exists and is not a directory")
+                raise UsageError(f"--log-dir: {self.log_dir_arg} exists and is not a directory")
 
     def global_rank(self, local_rank: int) -> int:
         return self.node_rank * self.nproc + local_rank
@@ -583,22 +583,22 @@ class _Plan:
         }
 
 
-class _AnnouncingLogsSpecs(DefaultLogsSpecs):
+class AnnouncingLogsSpecs(DefaultLogsSpecs):
     """torchrun's layout; says where the run's files are before any rank starts."""
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         try:
             dest = super().reify(envs)
         except OSError as e:  # the run's directories, inside --log-dir
-            raise _SetupError(_describe_mkdir_error(e, self.root_log_dir)) from e
+            raise SetupError(describe_mkdir_error(e, self.root_log_dir)) from e
         if self.root_log_dir == os.devnull:
-            _say(f"no log files (--log-dir {os.devnull})")
+            say(f"no log files (--log-dir {os.devnull})")
         elif self.attempt_dir is not None:
-            _say(f"log directory: {self.attempt_dir}")
+            say(f"log directory: {self.attempt_dir}")
         return dest
 
 
-def _describe_mkdir_error(e: OSError, requested: str) -> str:
+def describe_mkdir_error(e: OSError, requested: str) -> str:
     """``cannot create log directory ...: why`` for a failed mkdir.
 
     ``requested`` is the directory asked for; ``e.filename`` is the one whose
