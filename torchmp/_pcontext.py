@@ -147,7 +147,11 @@ class PContext(abc.ABC):
         from torchmp._launch.worker import refuse_nested_launch
 
         refuse_nested_launch()
-        # Through the api module, whose names torch's tests replace.
+        # Through the api module, whose names torch's tests replace
+        # (api.signal, api.threading, api.logger): looked up at call time.
+        # This function-level import is the one edge allowed to close a cycle
+        # in the import graph (api -> _native -> _pcontext -> api); see
+        # tests/test_import_graph.py, which pins both.
         from torchmp import api
 
         api._install_signal_handlers()
