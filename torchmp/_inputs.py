@@ -23,13 +23,13 @@ class RankMappingError(ValueError, RuntimeError):
     __module__ = "torchmp.logs_specs"
 
 
-def _is_int(value: object) -> TypeGuard[int]:
+def is_int(value: object) -> TypeGuard[int]:
     """An int that is not a bool (True is not rank 1)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _as_rank(key: object, what: str) -> int:
-    if not _is_int(key):
+def as_rank(key: object, what: str) -> int:
+    if not is_int(key):
         raise TypeError(
             f"{what}: local rank keys must be ints, got {type(key).__name__} {key!r}"
         )
@@ -46,7 +46,7 @@ def _sort_keys(keys: Iterable[Any]) -> list[Any]:
     # Ints (not bools) first in numeric order, then everything else by repr.
     return sorted(
         keys,
-        key=lambda k: (0, k, "") if _is_int(k) else (1, 0, f"{type(k).__name__}{k!r}"),
+        key=lambda k: (0, k, "") if is_int(k) else (1, 0, f"{type(k).__name__}{k!r}"),
     )
 
 
@@ -65,7 +65,7 @@ def validate_full_rank(d: Mapping[int, Any], nprocs: int, what: str) -> None:
     if type(d) is dict and type(nprocs) is int and len(d) == nprocs and all(
             type(k) is int and 0 <= k < nprocs for k in d):
         return  # the common case, checked on every launch
-    if not _is_int(nprocs):
+    if not is_int(nprocs):
         raise TypeError(f"nprocs must be an int, got {type(nprocs).__name__} {nprocs!r}")
     if nprocs < 0:
         raise ValueError(f"nprocs must be >= 0, got {nprocs}")
@@ -77,9 +77,9 @@ def validate_full_rank(d: Mapping[int, Any], nprocs: int, what: str) -> None:
             f"{what}: expected a dict keyed by local rank ({expected}), got "
             f"{type(d).__name__}"
         )
-    present = {k for k in d if _is_int(k) and 0 <= k < nprocs}
+    present = {k for k in d if is_int(k) and 0 <= k < nprocs}
     missing = [r for r in range(nprocs) if r not in present]
-    unexpected = _sort_keys(k for k in d if not (_is_int(k) and 0 <= k < nprocs))
+    unexpected = _sort_keys(k for k in d if not (is_int(k) and 0 <= k < nprocs))
     if not missing and not unexpected:
         return
     parts = []
@@ -90,7 +90,7 @@ def validate_full_rank(d: Mapping[int, Any], nprocs: int, what: str) -> None:
     raise RankMappingError(f"{what}: {'; '.join(parts)} (expected {expected})")
 
 
-def _check_envs(envs: Mapping[int, Any]) -> int:
+def check_envs(envs: Mapping[int, Any]) -> int:
     """Validate a reify() ``envs`` argument; return the number of local ranks."""
     if not isinstance(envs, Mapping):
         raise RankMappingError(
@@ -107,7 +107,7 @@ def _check_envs(envs: Mapping[int, Any]) -> int:
     return nprocs
 
 
-def _as_log_dir(log_dir: object, what: str = "log_dir") -> str:
+def as_log_dir(log_dir: object, what: str = "log_dir") -> str:
     path: str | bytes | None = None
     if isinstance(log_dir, (str, bytes, os.PathLike)):
         try:
@@ -124,7 +124,7 @@ def _as_log_dir(log_dir: object, what: str = "log_dir") -> str:
     return path
 
 
-def _as_ranks_filter(value: object) -> set[int] | None:
+def as_ranks_filter(value: object) -> set[int] | None:
     if value is None:
         return None
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
@@ -132,20 +132,20 @@ def _as_ranks_filter(value: object) -> set[int] | None:
             "local_ranks_filter must be a set (or other iterable) of ints, got "
             f"{type(value).__name__} {value!r}"
         )
-    return {_as_rank(r, "local_ranks_filter") for r in value}
+    return {as_rank(r, "local_ranks_filter") for r in value}
 
 
 # The start methods of function launches (binaries: fork+exec by the core).
 START_METHODS = ("spawn", "fork", "forkserver")
 
 
-def _check_name(name: object) -> str:
+def check_name(name: object) -> str:
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")
     return name
 
 
-def _encode_env_item(rank: int, key: object, value: object) -> tuple[bytes, bytes]:
+def encode_env_item(rank: int, key: object, value: object) -> tuple[bytes, bytes]:
     if isinstance(key, str):
         kb = os.fsencode(key)
     elif isinstance(key, bytes):
@@ -170,7 +170,7 @@ def _encode_env_item(rank: int, key: object, value: object) -> tuple[bytes, byte
     return kb, vb
 
 
-def _normalize_args(args: object, what: str = "args") -> dict[int, tuple[Any, ...]]:
+def normalize_args(args: object, what: str = "args") -> dict[int, tuple[Any, ...]]:
     if not isinstance(args, Mapping):
         raise RankMappingError(f"{what} must be a dict keyed by local rank, got {type(args).__name__}")
     validate_full_rank(args, len(args), what)
@@ -190,7 +190,7 @@ def _normalize_args(args: object, what: str = "args") -> dict[int, tuple[Any, ..
     return out
 
 
-def _normalize_envs(envs: object, nprocs: int) -> dict[int, dict[str, str]]:
+def normalize_envs(envs: object, nprocs: int) -> dict[int, dict[str, str]]:
     if envs is None:
         return {rank: {} for rank in range(nprocs)}
     if not isinstance(envs, Mapping):
@@ -201,12 +201,12 @@ def _normalize_envs(envs: object, nprocs: int) -> dict[int, dict[str, str]]:
         if not isinstance(env, Mapping):
             raise ValueError(f"envs[{rank}] must be a dict of environment variables, got {type(env).__name__}")
         for key, value in env.items():
-            _encode_env_item(rank, key, value)
+            encode_env_item(rank, key, value)
     # Validated above; the caller's dict itself (reify mutates it, as torch does).
     return cast("dict[int, dict[str, str]]", envs)
 
 
-def _check_prefixes(prefixes: object, nprocs: int) -> dict[int, str] | None:
+def check_prefixes(prefixes: object, nprocs: int) -> dict[int, str] | None:
     if prefixes is None:
         return None
     if not isinstance(prefixes, Mapping):
@@ -219,7 +219,7 @@ def _check_prefixes(prefixes: object, nprocs: int) -> dict[int, str] | None:
     return dict(prefixes)
 
 
-def _check_filters(filters: object, what: str) -> list[str] | None:
+def check_filters(filters: object, what: str) -> list[str] | None:
     if filters is None:
         return None
     items = None if isinstance(filters, str) or not isinstance(filters, Iterable) else list(filters)
@@ -253,7 +253,7 @@ def stderr_tail_bound(value: object = None) -> int:
     return value
 
 
-def _watch_stderr_setting(value: object) -> bool:
+def watch_stderr_setting(value: object) -> bool:
     """watch_stderr=, else $TORCHMP_WATCH_STDERR (1/0, true/false, yes/no):
     how a launcher that cannot pass keywords (the torchrun plug-in) opts in."""
     if value is not None:

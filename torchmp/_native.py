@@ -18,15 +18,15 @@ from torchmp import _console, _core, _oom, _placement, _shutdown
 from torchmp._launch import Launch, adopt_interrupted
 from torchmp._launch.streams import NO_STREAM, RankStreams, ensure_fd_budget, open_log
 from torchmp._inputs import (
-    DEFAULT_STDERR_TAIL_LINES, TAIL_BYTES_PER_LINE, _check_filters, _check_name, _check_prefixes,
-    _normalize_args, _normalize_envs,
+    DEFAULT_STDERR_TAIL_LINES, TAIL_BYTES_PER_LINE, check_filters, check_name, check_prefixes,
+    normalize_args, normalize_envs,
 )
 from torchmp._pcontext import PContext, ResourceUsage, RunProcsResult, exitcode
 from torchmp._shutdown import KILL_GRACE_SECONDS as KILL_GRACE_SECONDS
 from torchmp._shutdown import SHUTDOWN_GRACE_SECONDS
 from torchmp._signals import close_despite_interrupts
 from torchmp.errors import ProcessFailure, root_cause
-from torchmp._tails import _file_tail, rank_tail
+from torchmp._tails import file_tail, rank_tail
 from torchmp.logs_specs import LogsSpecs
 
 # torch's contexts log as its api module; so do torchmp's.
@@ -69,16 +69,16 @@ class _NativeContext(PContext):
         mem_bind: str | None = None,
     ) -> None:
         # Every check runs before reify() creates any directory.
-        name = _check_name(name)
-        args = _normalize_args(args)
-        envs = _normalize_envs(envs, len(args))
+        name = check_name(name)
+        args = normalize_args(args)
+        envs = normalize_envs(envs, len(args))
         # Where each rank runs (numa_options: torch's; cpu_affinity, mem_bind:
         # torchmp's), applied in the child by the native setup.
         self._bindings: dict[int, _core.Binding] = _placement.plan(
             len(args), numa_options, cpu_affinity, mem_bind)
-        log_line_prefixes = _check_prefixes(log_line_prefixes, len(args))
-        duplicate_stdout_filters = _check_filters(duplicate_stdout_filters, "duplicate_stdout_filters")
-        duplicate_stderr_filters = _check_filters(duplicate_stderr_filters, "duplicate_stderr_filters")
+        log_line_prefixes = check_prefixes(log_line_prefixes, len(args))
+        duplicate_stdout_filters = check_filters(duplicate_stdout_filters, "duplicate_stdout_filters")
+        duplicate_stderr_filters = check_filters(duplicate_stderr_filters, "duplicate_stderr_filters")
         self._launcher = self._launch_for(name, entrypoint, args, envs)
         super().__init__(
             name, entrypoint, args, envs, logs_specs, log_line_prefixes,
@@ -573,7 +573,7 @@ class _NativeContext(PContext):
         data, truncated = self._tails.get(rank, (b"", False))
         path = self.stderrs.get(rank, "")
         if not data and path and rank not in self._logs_dest.tee_stderrs:
-            data, truncated = _file_tail(path, self.stderr_tail * TAIL_BYTES_PER_LINE)
+            data, truncated = file_tail(path, self.stderr_tail * TAIL_BYTES_PER_LINE)
         return rank_tail(data, truncated, path, self.stderr_tail, TAIL_BYTES_PER_LINE)
 
     def _stream_done(self, rank: int, which: int) -> bool:

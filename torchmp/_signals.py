@@ -164,7 +164,7 @@ class SignalException(Exception):
         self.sigval = sigval
 
 
-def _terminate_process_handler(signum: int, frame: FrameType | None) -> None:
+def terminate_process_handler(signum: int, frame: FrameType | None) -> None:
     """The handler of every handled signal: raise SignalException."""
     sigval = signal.Signals(signum)
     raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
@@ -186,7 +186,7 @@ def close_despite_interrupts(ctx: PContext, death_sig: signal.Signals, timeout: 
             death_sig, timeout = signal.SIGKILL, 0
 
 
-def _interrupt_signal(exc: BaseException) -> signal.Signals:
+def interrupt_signal(exc: BaseException) -> signal.Signals:
     """The signal behind an exception that stopped a launch (SIGTERM if none)."""
     if isinstance(exc, SignalException):
         return exc.sigval
@@ -225,7 +225,7 @@ def handled_signals(log_unknown: bool = True) -> list[signal.Signals]:
 
 def install_handlers(signal_module: Any = signal, threading_module: Any = threading,
                      log: logging.Logger | Any = None, is_windows: bool = False,
-                     handler: Callable[[int, FrameType | None], Any] = _terminate_process_handler) -> None:
+                     handler: Callable[[int, FrameType | None], Any] = terminate_process_handler) -> None:
     """Point the handled signals (:func:`handled_signals`'s names) at
     ``handler`` (by default one raising SignalException), with torch's log
     lines (none if ``log`` is None); only the main thread can install
@@ -284,7 +284,7 @@ def install_launcher_handlers(forward: Sequence[int], report: int | None) -> lis
     # A report signal TORCHELASTIC_SIGNALS_TO_HANDLE names stops the job.
     caught = stop_signals(forward, None if report in handled else report)
     for sig in caught:
-        handler = _terminate_process_handler if sig in handled else _stop_handler
+        handler = terminate_process_handler if sig in handled else _stop_handler
         if sig in FAULT_SIGNALS:
             _core.route_sent_faults(sig, handler)
         else:

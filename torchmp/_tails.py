@@ -61,7 +61,7 @@ def _open_regular(path: str) -> int | None:
     return None
 
 
-def _file_tail(path: str, nbytes: int) -> tuple[bytes, bool]:
+def file_tail(path: str, nbytes: int) -> tuple[bytes, bool]:
     """The last nbytes of a file, and whether there was more before them."""
     fd = _open_regular(path)
     if fd is None:

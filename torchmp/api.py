@@ -54,11 +54,11 @@ from torchmp._functions import MultiprocessContext
 from torchmp._inputs import (
     DEFAULT_STDERR_TAIL_LINES as DEFAULT_STDERR_TAIL_LINES,
     START_METHODS,
-    _as_log_dir,
-    _check_name,
-    _normalize_args,
-    _normalize_envs,
-    _watch_stderr_setting,
+    as_log_dir,
+    check_name,
+    normalize_args,
+    normalize_envs,
+    watch_stderr_setting,
     stderr_tail_bound as stderr_tail_bound,
 )
 from torchmp._binary import SubprocessContext
@@ -70,8 +70,8 @@ from torchmp._pcontext import PContext, ResourceUsage, RunProcsResult, TeeTail a
 from torchmp._shutdown import SHUTDOWN_GRACE_SECONDS
 from torchmp._signals import (
     SignalException,
-    _interrupt_signal,
-    _terminate_process_handler as _terminate_process_handler,
+    interrupt_signal,
+    terminate_process_handler,
     close_despite_interrupts as close_despite_interrupts,
     handled_signals as handled_signals,
     install_handlers,
@@ -102,8 +102,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# torch's private name, which its tests import.
+# torch's private names, which its tests import (the handler: to compare
+# the installed one with).
 _validate_full_rank = validate_full_rank
+_terminate_process_handler = terminate_process_handler
 
 # torch's names, looked up through this module at call time (torch's tests
 # replace them to watch what start() does).
@@ -279,7 +281,7 @@ def start_processes(  # type: ignore[misc]  # one body for both overloads: its 5
     timestamps = bool(kwargs.pop("log_line_timestamps", False))
     console_backlog = kwargs.pop("console_backlog", None)
     stderr_tail = kwargs.pop("stderr_tail", None)
-    watch_stderr = _watch_stderr_setting(kwargs.pop("watch_stderr", None))
+    watch_stderr = watch_stderr_setting(kwargs.pop("watch_stderr", None))
     kill_on_bad_exit = kwargs.pop("kill_on_bad_exit", True)
     subreaper = kwargs.pop("subreaper", False)
     for keyword, value in (("kill_on_bad_exit", kill_on_bad_exit), ("subreaper", subreaper)):
@@ -317,10 +319,10 @@ def start_processes(  # type: ignore[misc]  # one body for both overloads: its 5
             raise TypeError(f"start_processes() got multiple values for argument {key!r}")
         options[key] = value
 
-    name = _check_name(name)
-    args = _normalize_args(args)
+    name = check_name(name)
+    args = normalize_args(args)
     nprocs = len(args)
-    envs = _normalize_envs(envs, nprocs)
+    envs = normalize_envs(envs, nprocs)
     subreaper_id = None
     if subreaper:
         _escapees.make_subreaper()  # OSError (ENOSYS) before anything starts
@@ -336,7 +338,7 @@ def start_processes(  # type: ignore[misc]  # one body for both overloads: its 5
         if logs_specs is None:
             raise TypeError("start_processes() needs log_dir")
         spec_obj: Any = LegacyLogsSpecs(
-            _as_log_dir(logs_specs), redirects=options["redirects"], tee=options["tee"])
+            as_log_dir(logs_specs), redirects=options["redirects"], tee=options["tee"])
         spec_obj.validate()
         extra: dict[str, Any] = {}
     else:
@@ -373,6 +375,6 @@ def start_processes(  # type: ignore[misc]  # one body for both overloads: its 5
         # The caller never gets the context: nothing it started may outlive
         # this call.  The workers get the signal that interrupted the launch
         # (SIGTERM after an error) and close()'s usual grace.
-        close_despite_interrupts(context, _interrupt_signal(e), SHUTDOWN_GRACE_SECONDS)
+        close_despite_interrupts(context, interrupt_signal(e), SHUTDOWN_GRACE_SECONDS)
         raise
     return context

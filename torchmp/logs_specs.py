@@ -53,11 +53,11 @@ from typing import Union
 
 from torchmp._inputs import (
     RankMappingError,
-    _as_log_dir,
-    _as_rank,
-    _as_ranks_filter,
-    _check_envs,
-    _is_int,
+    as_log_dir,
+    as_rank,
+    as_ranks_filter,
+    check_envs,
+    is_int,
     validate_full_rank,
 )
 
@@ -153,7 +153,7 @@ StdSetting = Union[Std, int, Mapping[int, Union[Std, int]]]  # noqa: UP007
 
 def _as_std(value: object, what: str) -> Std:
     """Convert a ``Std`` or an int 0..3 (including torch's ``Std``) to ``Std``."""
-    if not _is_int(value):
+    if not is_int(value):
         raise TypeError(
             f"{what} must be a Std or an int 0..3, got {type(value).__name__} "
             f"{value!r}"
@@ -171,14 +171,14 @@ def _as_std_setting(value: object, what: str) -> Std | dict[int, Std]:
     """Validate a ``redirects``/``tee`` argument; return it as ``Std`` or a new dict."""
     if isinstance(value, Mapping):
         return {
-            _as_rank(k, what): _as_std(v, f"{what}[{k!r}]") for k, v in value.items()
+            as_rank(k, what): _as_std(v, f"{what}[{k!r}]") for k, v in value.items()
         }
     if isinstance(value, str):
         raise TypeError(
             f"{what} must be a Std, an int 0..3 or a dict of local rank to Std, got "
             f"str {value!r} (parse strings with Std.from_str)"
         )
-    if not _is_int(value):
+    if not is_int(value):
         raise TypeError(
             f"{what} must be a Std, an int 0..3 or a dict of local rank to Std, got "
             f"{type(value).__name__} {value!r}"
@@ -200,7 +200,7 @@ def to_map(
     >>> to_map({1: 2, 5: Std.ALL}, 3)
     {0: <Std.NONE: 0>, 1: <Std.ERR: 2>, 2: <Std.NONE: 0>}
     """
-    if not _is_int(local_world_size):
+    if not is_int(local_world_size):
         raise TypeError(
             "local_world_size must be an int, got "
             f"{type(local_world_size).__name__} {local_world_size!r}"
@@ -323,8 +323,8 @@ class DefaultLogsSpecs(LogsSpecs):
         # Validate everything before touching the file system.
         redirects_ = _as_std_setting(redirects, "redirects")
         tee_ = _as_std_setting(tee, "tee")
-        filter_ = _as_ranks_filter(local_ranks_filter)
-        path = None if log_dir is None else _as_log_dir(log_dir)
+        filter_ = as_ranks_filter(local_ranks_filter)
+        path = None if log_dir is None else as_log_dir(log_dir)
         if path != os.devnull:
             if not path:
                 path = tempfile.mkdtemp(prefix="torchelastic_")
@@ -374,7 +374,7 @@ class DefaultLogsSpecs(LogsSpecs):
         be keyed by exactly ``0..len(envs)-1`` (:class:`RankMappingError` otherwise,
         raised before anything is created).
         """
-        nprocs = _check_envs(envs)
+        nprocs = check_envs(envs)
         if nprocs == 0:
             logger.warning("Empty envs map provided when defining logging destinations.")
         first_env: Mapping[str, str] = envs[0] if nprocs else {}
@@ -520,7 +520,7 @@ class LegacyLogsSpecs(LogsSpecs):
     ) -> None:
         if log_dir is None:
             raise TypeError("log_dir is required (a str path), got None")
-        path = _as_log_dir(log_dir)
+        path = as_log_dir(log_dir)
         if not path:
             raise ValueError("log_dir must be a non-empty path, got ''")
         super().__init__(
@@ -575,7 +575,7 @@ class LegacyLogsSpecs(LogsSpecs):
         The filtered-lines files (not part of 1.9) are put at
         ``{log_dir}/filtered_stdout.log`` / ``filtered_stderr.log``.
         """
-        nprocs = _check_envs(envs)
+        nprocs = check_envs(envs)
         self.validate()
         log_dir = str(self._root_log_dir)
         os.makedirs(log_dir, exist_ok=True)

@@ -1,6 +1,6 @@
 """A rank's environment, built once per start method: ``envp`` entries for an
 exec, a name -> value dict for a forkserver worker, ``os.environ`` itself for
-a forked one.  Every variable is encoded by ``_inputs._encode_env_item``, so
+a forked one.  Every variable is encoded by ``_inputs.encode_env_item``, so
 the three agree byte for byte."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from torchmp._inputs import _encode_env_item
+from torchmp._inputs import encode_env_item
 
 
 def launcher_environ() -> dict[bytes, bytes]:
@@ -26,7 +26,7 @@ def exec_env(rank: int, overrides: Mapping[Any, Any], base: dict[bytes, bytes] |
     taken once per launch) with envs[rank] on top, as envp entries."""
     entries = launcher_environ() if base is None else dict(base)
     for key, value in overrides.items():
-        kb, vb = _encode_env_item(rank, key, value)
+        kb, vb = encode_env_item(rank, key, value)
         entries[kb] = kb + b"=" + vb
     return list(entries.values())
 
@@ -36,7 +36,7 @@ def rank_environb(rank: int, overrides: Mapping[Any, Any]) -> dict[bytes, bytes]
     a forkserver worker sets as its os.environb)."""
     env = dict(os.environb)
     for key, value in overrides.items():
-        kb, vb = _encode_env_item(rank, key, value)
+        kb, vb = encode_env_item(rank, key, value)
         env[kb] = vb
     return env
 
@@ -45,5 +45,5 @@ def apply_rank_env(rank: int, overrides: Mapping[Any, Any]) -> None:
     """Put envs[rank] into this process's environment (a forked worker, whose
     environment is the launcher's already)."""
     for key, value in overrides.items():
-        kb, vb = _encode_env_item(rank, key, value)
+        kb, vb = encode_env_item(rank, key, value)
         os.environb[kb] = vb

@@ -342,7 +342,7 @@ def server_main() -> None:
                 _, status, ru = os.wait4(pid, 0)
                 exited = (status, int(ru.ru_utime * 1e9), int(ru.ru_stime * 1e9), ru.ru_maxrss)
             try:
-                _worker._write_all(fd, _trailer(*exited))
+                _worker.write_all(fd, _trailer(*exited))
             except OSError:
                 pass
             os.close(fd)
@@ -434,6 +434,6 @@ def _server_child(server_pid: int, sock: socket.socket, wake_r: int, wake_w: int
         import traceback
 
         traceback.print_exc()
-        _worker._record(e)
+        _worker.record_failure(e)
         os._exit(code)
     _worker.run(fn, args, ret_fd)

@@ -40,7 +40,7 @@ def _read_all(fd: int) -> bytes:
         offset += len(chunk)
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
@@ -163,7 +163,7 @@ def fresh_stdio() -> None:
         setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=encoding,
                                             errors=errors, line_buffering=fd == 2))
 
-def _record(exc: BaseException) -> None:
+def record_failure(exc: BaseException) -> None:
     """Write error.json like ``@record`` would (imported only on failure)."""
     try:
         from torchmp.errors import get_error_handler
@@ -208,11 +208,11 @@ def run(fn: Callable[..., Any], args: tuple[Any, ...], ret_fd: int) -> NoReturn:
             if code == 0:
                 # sys.exit(0) is a clean end: the launcher gets None.  Only a
                 # worker that skipped all this (os._exit) sends nothing.
-                _write_all(ret_fd, pickle.dumps(None, protocol=pickle.HIGHEST_PROTOCOL))
+                write_all(ret_fd, pickle.dumps(None, protocol=pickle.HIGHEST_PROTOCOL))
         except BaseException as e:
             import traceback
 
-            _record(e)
+            record_failure(e)
             traceback.print_exc()
             code = 1
         else:
@@ -221,11 +221,11 @@ def run(fn: Callable[..., Any], args: tuple[Any, ...], ret_fd: int) -> NoReturn:
             except Exception as e:
                 name = getattr(fn, "__qualname__", repr(fn))
                 problem = TypeError(f"the return value of {name} could not be pickled: {e!r}")
-                _record(problem)
+                record_failure(problem)
                 print(f"torchmp: {problem}", file=sys.stderr)
                 code = 1
             else:
-                _write_all(ret_fd, blob)
+                write_all(ret_fd, blob)
                 code = 0
     except BaseException:
         code = 1
@@ -246,7 +246,7 @@ def spawn_main() -> NoReturn:
     except BaseException as e:
         import traceback
 
-        _record(e)
+        record_failure(e)
         traceback.print_exc()
         _flush_stdio()
         os._exit(1)
