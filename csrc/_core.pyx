@@ -72,8 +72,8 @@ HAVE_BINDING = bool(TORCHMP_BINDING_BUILD)
 STREAM_INHERIT = TORCHMP_STREAM_INHERIT
 STREAM_FILE = TORCHMP_STREAM_FILE
 STREAM_TEE = TORCHMP_STREAM_TEE
-STREAM_CAPTURE = TORCHMP_STREAM_CAPTURE  # the return channel's mode
-FD_RETURN = TORCHMP_FD_RET  # the worker's fd of its return channel
+STREAM_RETURN = TORCHMP_STREAM_RETURN  # the return channel's mode
+FD_RETURN = TORCHMP_FD_RETURN  # the worker's fd of its return channel
 FD_PAYLOAD = TORCHMP_FD_PAYLOAD
 
 PROC_UNSTARTED = TORCHMP_PROC_UNSTARTED
@@ -274,7 +274,7 @@ ProcInfo.__module__ = __name__
 # (stdout, stderr or the return channel), and one rank to exec.  Named
 # tuples, so plain tuples of the same fields are accepted too.
 StreamSpec = _collections.namedtuple("StreamSpec", [
-    "mode",        # STREAM_INHERIT, STREAM_FILE, STREAM_TEE or STREAM_CAPTURE (the return channel)
+    "mode",        # STREAM_INHERIT, STREAM_FILE, STREAM_TEE or STREAM_RETURN (the return channel)
     "fd",          # FILE: the file; TEE: the log file or -1
     "console",     # TEE: the launcher's fd 1 or 2, -1 for none, or a QueueConsole
     "prefix",      # TEE: the console prefix (bytes), or None
@@ -291,7 +291,7 @@ RankSpec = _collections.namedtuple("RankSpec", [
     "envp",        # [b"K=V"]
     "out",         # StreamSpec of stdout
     "err",         # StreamSpec of stderr
-    "ret",         # StreamSpec of the return channel (STREAM_CAPTURE, or STREAM_INHERIT: none)
+    "return_channel",  # StreamSpec of the return channel (STREAM_RETURN, or STREAM_INHERIT: none)
     "payload_fd",  # becomes the worker's fd FD_PAYLOAD, or -1
     "binding",     # a Binding, or None: the worker runs where the launcher may
 ], defaults=(None,))

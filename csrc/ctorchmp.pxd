@@ -19,7 +19,7 @@ cdef extern from "torchmp.h" nogil:
 
     enum:
         TORCHMP_CHILD_FDS
-        TORCHMP_FD_RET
+        TORCHMP_FD_RETURN
         TORCHMP_FD_PAYLOAD
 
     ctypedef struct torchmp_binding:
@@ -120,7 +120,7 @@ cdef extern from "torchmp.h" nogil:
         TORCHMP_STREAM_INHERIT
         TORCHMP_STREAM_FILE
         TORCHMP_STREAM_TEE
-        TORCHMP_STREAM_CAPTURE
+        TORCHMP_STREAM_RETURN
 
     ctypedef struct torchmp_stream_spec:
         int mode
@@ -138,7 +138,7 @@ cdef extern from "torchmp.h" nogil:
         torchmp_spawn_args args
         torchmp_stream_spec out
         torchmp_stream_spec err
-        torchmp_stream_spec ret
+        torchmp_stream_spec return_channel
 
     void torchmp_rank_close_worker_fds(const torchmp_rank_spec *spec, int *child_fds)
 
@@ -182,7 +182,7 @@ cdef extern from "torchmp.h" nogil:
     int torchmp_group_adopt(torchmp_group *g, const int *ranks, const pid_t *pids, const int64_t *start_ns,
                             int count, int by_forkserver, torchmp_spawn_error *err)
     int torchmp_group_drop_unstarted(torchmp_group *g)
-    char *torchmp_group_take_ret(torchmp_group *g, int rank, size_t *len)
+    char *torchmp_group_take_return(torchmp_group *g, int rank, size_t *len)
     uint64_t torchmp_group_snapshot(torchmp_group *g, torchmp_proc_info *out, int n)
     ctypedef struct torchmp_stream_state:
         int open[2]

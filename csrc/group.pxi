@@ -105,9 +105,9 @@ cdef class Group:
     def spawn(self, list specs):
         """Start ranks 0..len(specs)-1.
 
-        Each spec is a RankSpec(path, argv, envp, out, err, ret, payload_fd,
-        binding): path bytes, argv/envp lists of bytes, out/err/ret
-        StreamSpecs (ret: the return channel, STREAM_CAPTURE or
+        Each spec is a RankSpec(path, argv, envp, out, err, return_channel,
+        payload_fd, binding): path bytes, argv/envp lists of bytes,
+        out/err/return_channel StreamSpecs (the last STREAM_RETURN or
         STREAM_INHERIT for none); payload_fd (or -1) becomes the worker's fd
         FD_PAYLOAD; binding a Binding or None.  Plain tuples of the same
         fields work too (binding may be left out).
@@ -130,7 +130,7 @@ cdef class Group:
         try:
             for i in range(count):
                 spec = specs[i]
-                path, argv, envp, out, errspec, ret, payload_fd = spec[:7]
+                path, argv, envp, out, errspec, return_channel, payload_fd = spec[:7]
                 if not isinstance(path, bytes):
                     raise TypeError("path must be bytes")
                 keep.append(path)
@@ -142,7 +142,7 @@ cdef class Group:
                 cspecs[i].args.child_fds[TORCHMP_FD_PAYLOAD] = payload_fd
                 stream_spec_fill(&cspecs[i].out, out, keep)
                 stream_spec_fill(&cspecs[i].err, errspec, keep)
-                stream_spec_fill(&cspecs[i].ret, ret, keep)
+                stream_spec_fill(&cspecs[i].return_channel, return_channel, keep)
                 binding_fill(&cspecs[i].args.binding, spec[7] if len(spec) > 7 else None, keep)
             memset(&err, 0, sizeof(err))
             self._enter()
@@ -193,8 +193,7 @@ cdef class Group:
         """Open the streams of ranks 0..len(specs)-1 for workers started
         outside the I/O thread (fork_rank, a forkserver), in one round trip.
 
-        Each spec is (out, err, ret), three StreamSpecs (ret: the return
-        channel).  Returns each rank's worker-side fds
+        Each spec is (out, err, return_channel), three StreamSpecs.  Returns each rank's worker-side fds
         (stdout, stderr, return channel; -1 for none).  The pipe ends among
         them stay open here until fork_rank forks the rank or
         close_worker_fds(rank) is called; FILE targets are the caller's own
@@ -218,10 +217,10 @@ cdef class Group:
                 for j in range(TORCHMP_CHILD_FDS):
                     self.staged[i].args.child_fds[j] = -1
             for i in range(count):
-                out, errspec, ret = specs[i]
+                out, errspec, return_channel = specs[i]
                 stream_spec_fill(&self.staged[i].out, out, keep)
                 stream_spec_fill(&self.staged[i].err, errspec, keep)
-                stream_spec_fill(&self.staged[i].ret, ret, keep)
+                stream_spec_fill(&self.staged[i].return_channel, return_channel, keep)
             memset(&err, 0, sizeof(err))
             self._enter()
             try:
@@ -244,7 +243,7 @@ cdef class Group:
             # The prefixes in keep are copied by the loop: drop the pointers.
             self.staged[i].out.prefix = NULL
             self.staged[i].err.prefix = NULL
-            self.staged[i].ret.prefix = NULL
+            self.staged[i].return_channel.prefix = NULL
         return [(self.staged[i].args.child_fds[1], self.staged[i].args.child_fds[2],
                  self.staged[i].args.child_fds[3]) for i in range(count)]
 
@@ -259,7 +258,7 @@ cdef class Group:
         """fork() the calling (Python) thread for rank (after prepare),
         through CPython's before/after-fork hooks.
 
-        Returns (0, ret_fd) in the child -- whose stdout/stderr are already
+        Returns (0, return_fd) in the child -- whose stdout/stderr are already
         redirected, in its own session -- and (pid, -1) in the parent, which
         must then adopt() the pid.  pdeathsig: arm PR_SET_PDEATHSIG (it fires
         when the *forking thread* exits, so only ask for it from a thread
@@ -270,7 +269,7 @@ cdef class Group:
         cdef torchmp_rank_spec *spec
         cdef list keep = []
         cdef torchmp_spawn_args setup
-        cdef int saved, step, j, other, ret_fd, nsigs
+        cdef int saved, step, j, other, return_fd, nsigs
         cdef int ends[TORCHMP_CHILD_FDS]
         cdef int sigs[64]
         cdef sigset_t blocked, old_mask, no_signals
@@ -285,8 +284,8 @@ cdef class Group:
         # In a Python child the return channel stays where it is: fd 3 may
         # be something of the interpreter's.
         setup = spec.args
-        ret_fd = setup.child_fds[TORCHMP_FD_RET]
-        setup.child_fds[TORCHMP_FD_RET] = -1
+        return_fd = setup.child_fds[TORCHMP_FD_RETURN]
+        setup.child_fds[TORCHMP_FD_RETURN] = -1
         setup.parent_pid = parent
         setup.pdeathsig = SIGKILL if pdeathsig else 0
         binding_fill(&setup.binding, binding, keep)
@@ -340,10 +339,10 @@ cdef class Group:
             # the one rule, but for the return channel, which stays where it is.
             for j in range(TORCHMP_CHILD_FDS):
                 ends[j] = spec.args.child_fds[j]
-            ends[TORCHMP_FD_RET] = -1
+            ends[TORCHMP_FD_RETURN] = -1
             torchmp_rank_close_worker_fds(spec, ends)
             self.owner_pid = -1  # this group belongs to the parent
-            return 0, ret_fd
+            return 0, return_fd
         if pid > 0:
             # Before anything that could run Python code: from here on an
             # interrupted launch knows this worker (adopt_forked).
@@ -473,7 +472,7 @@ cdef class Group:
             raise ValueError("worker group is closed")
         cdef char *shrunk
         cdef CaptureBuffer buf
-        data = torchmp_group_take_ret(self.g, rank, &n)
+        data = torchmp_group_take_return(self.g, rank, &n)
         if data == NULL:
             if errno != 0:
                 raise MemoryError(f"the return value of local rank {rank} did not fit in memory")

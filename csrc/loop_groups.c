@@ -21,14 +21,14 @@
 
 static const torchmp_stream_spec *rank_stream_spec(const torchmp_rank_spec *spec, int which)
 {
-    return which == STREAM_OUT ? &spec->out : which == STREAM_ERR ? &spec->err : &spec->ret;
+    return which == STREAM_OUT ? &spec->out : which == STREAM_ERR ? &spec->err : &spec->return_channel;
 }
 
 void torchmp_rank_close_worker_fds(const torchmp_rank_spec *spec, int *child_fds)
 {
     for (int w = 0; w < STREAM_COUNT; w++) {
         int mode = rank_stream_spec(spec, w)->mode;
-        if (mode == TORCHMP_STREAM_TEE || mode == TORCHMP_STREAM_CAPTURE)
+        if (mode == TORCHMP_STREAM_TEE || mode == TORCHMP_STREAM_RETURN)
             close_fd(&child_fds[1 + w]);
         child_fds[1 + w] = -1; /* FILE: the caller's own, left open */
     }
@@ -335,7 +335,7 @@ static void note_pipes(torchmp_group *g, const torchmp_rank_spec *specs, int cou
     for (int i = 0; i < count; i++) {
         for (int w = 0; w < STREAM_COUNT; w++) {
             int mode = rank_stream_spec(&specs[i], w)->mode;
-            if (mode == TORCHMP_STREAM_TEE || mode == TORCHMP_STREAM_CAPTURE)
+            if (mode == TORCHMP_STREAM_TEE || mode == TORCHMP_STREAM_RETURN)
                 g->has_pipes = 1;
         }
     }
@@ -426,7 +426,7 @@ int torchmp_group_drop_unstarted(torchmp_group *g)
     return 0;
 }
 
-char *torchmp_group_take_ret(torchmp_group *g, int rank, size_t *len)
+char *torchmp_group_take_return(torchmp_group *g, int rank, size_t *len)
 {
     torchmp_loop *L = g->loop;
     stream *s;

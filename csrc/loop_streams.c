@@ -332,7 +332,7 @@ int torchmp_loop_stream_open(torchmp_loop *L, torchmp_proc *p, int which, const 
         *child_fd = spec->fd;
         return 0;
     }
-    if (spec->mode != TORCHMP_STREAM_TEE && spec->mode != TORCHMP_STREAM_CAPTURE)
+    if (spec->mode != TORCHMP_STREAM_TEE && spec->mode != TORCHMP_STREAM_RETURN)
         return 0;
 
     if (torchmp_pipe_cloexec(pfd) != 0)

@@ -96,7 +96,7 @@ typedef struct {
 /* The fds a worker starts with: 0..2 are stdio, 3 the return channel of a
  * function worker, 4 its payload.  Everything else is closed. */
 #define TORCHMP_CHILD_FDS 5
-#define TORCHMP_FD_RET 3
+#define TORCHMP_FD_RETURN 3
 #define TORCHMP_FD_PAYLOAD 4
 
 /* Where a worker runs, as masks built by the parent (the kernel's layout:
@@ -397,7 +397,7 @@ enum torchmp_stream_mode {
     TORCHMP_STREAM_INHERIT = 0,    /* the launcher's own fd */
     TORCHMP_STREAM_FILE = 1,       /* dup2 of an open file: no loop involvement */
     TORCHMP_STREAM_TEE = 2,        /* a pipe drained by the loop into log + console */
-    TORCHMP_STREAM_CAPTURE = 3     /* the return channel: a pipe drained by the loop into memory */
+    TORCHMP_STREAM_RETURN = 3     /* the return channel: a pipe drained by the loop into memory */
 };
 
 typedef struct {
@@ -417,12 +417,12 @@ typedef struct {
     torchmp_spawn_args args;   /* child_fds[1..3] are filled in by the loop */
     torchmp_stream_spec out;
     torchmp_stream_spec err;
-    torchmp_stream_spec ret;   /* the return channel: CAPTURE, or INHERIT (none) */
+    torchmp_stream_spec return_channel;  /* RETURN, or INHERIT (none) */
 } torchmp_rank_spec;
 
 /* The one rule for who owns a rank's worker-side stream fds, child_fds[1..3]
  * (the worker's stdout, stderr, return channel) as the loop fills them in:
- * the write ends of pipes the loop opened (TEE, CAPTURE) are the launcher's
+ * the write ends of pipes the loop opened (TEE, RETURN) are the launcher's
  * copies, closed here once the worker has its own (or will never start),
  * else the pipe never sees EOF; FILE targets are the caller's own fds and
  * stay open.  Every slot 1..3 is -1 afterwards.  Only close(2): safe in a
@@ -502,7 +502,7 @@ typedef struct {
 
 /* Take the bytes a rank wrote to its return channel (malloc'ed; the caller
  * frees).  *len = 0 and NULL when there are none. */
-char *torchmp_group_take_ret(torchmp_group *g, int rank, size_t *len);
+char *torchmp_group_take_return(torchmp_group *g, int rank, size_t *len);
 
 /* Copy the per-rank state; returns the group's change counter. */
 uint64_t torchmp_group_snapshot(torchmp_group *g, torchmp_proc_info *out, int n);

@@ -51,7 +51,7 @@ def run_group(specs: list[_core.RankSpec]) -> tuple[list[_core.ProcInfo], list[b
 
 
 INHERIT = _core.StreamSpec(_core.STREAM_INHERIT, -1, -1, None)
-RETURN_CHANNEL = _core.StreamSpec(_core.STREAM_CAPTURE, -1, -1, None)
+RETURN_CHANNEL = _core.StreamSpec(_core.STREAM_RETURN, -1, -1, None)
 
 
 def sh(script: str, payload_fd: int = -1, ret: _core.StreamSpec = RETURN_CHANNEL) -> _core.RankSpec:
@@ -158,7 +158,7 @@ def test_stream_spec_defaults() -> None:
     spec = _core.StreamSpec(_core.STREAM_TEE, -1, 1, b"[p]")
     assert spec == (_core.STREAM_TEE, -1, 1, b"[p]", False, None, _core.DEFAULT_CONSOLE_BACKLOG, 0)
     assert _core.StreamSpec.__module__ == _core.RankSpec.__module__ == _core.ProcInfo.__module__ == "torchmp._core"
-    assert len({_core.STREAM_INHERIT, _core.STREAM_FILE, _core.STREAM_TEE, _core.STREAM_CAPTURE}) == 4
+    assert len({_core.STREAM_INHERIT, _core.STREAM_FILE, _core.STREAM_TEE, _core.STREAM_RETURN}) == 4
 
 
 def test_spawn_takes_records_and_plain_tuples(tmp_path) -> None:

@@ -16,7 +16,7 @@ HAVE_BINDING: Final[bool]
 STREAM_INHERIT: Final[int]
 STREAM_FILE: Final[int]
 STREAM_TEE: Final[int]
-STREAM_CAPTURE: Final[int]  # the return channel's mode
+STREAM_RETURN: Final[int]  # the return channel's mode
 FD_RETURN: Final[int]  # the worker's fd of its return channel
 FD_PAYLOAD: Final[int]
 
@@ -78,7 +78,7 @@ class RankSpec(NamedTuple):
     envp: list[bytes]
     out: StreamSpec
     err: StreamSpec
-    ret: StreamSpec
+    return_channel: StreamSpec
     payload_fd: int
     binding: Binding | None = ...
 

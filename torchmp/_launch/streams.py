@@ -17,7 +17,7 @@ _LOG_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | getattr(os, 
 #: The worker inherits the launcher's stream.
 NO_STREAM = _core.StreamSpec(_core.STREAM_INHERIT, -1, -1, None)
 #: A function worker's return channel: the I/O thread keeps what it writes.
-RETURN_CHANNEL = _core.StreamSpec(_core.STREAM_CAPTURE, -1, -1, None)
+RETURN_CHANNEL = _core.StreamSpec(_core.STREAM_RETURN, -1, -1, None)
 
 #: A rank's (stdout, stderr) as the native core is to wire them.
 RankStreams = tuple[_core.StreamSpec, _core.StreamSpec]
