@@ -670,7 +670,7 @@ def test_log_dir_permission_denied(run, tmp_path):
 ])
 def test_mkdir_error_messages(tmp_path, errno_, strerror, expected):
     # The message built from hand-made errors, as root too: {d} is mode 0500.
-    from torchmp.cli.plan import describe_mkdir_error
+    from torchmp.cli.logdir import describe_mkdir_error
 
     d = tmp_path / "locked"
     d.mkdir(mode=0o500)

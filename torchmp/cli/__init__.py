@@ -55,7 +55,8 @@ Python stack in the rank's stderr.
 
 The package: :mod:`~torchmp.cli.main` (the entry point), :mod:`~torchmp.cli.plan`
 (the parser and the launch plan), :mod:`~torchmp.cli.job` (a running job: launch,
-wait, restarts, shutdown, reports), :mod:`~torchmp.cli.hang` (the hang report),
+wait, restarts, shutdown, reports), :mod:`~torchmp.cli.logdir` (where the log files go),
+:mod:`~torchmp.cli.hang` (the hang report),
 :mod:`~torchmp.cli.console` (what torchmp run writes itself),
 :mod:`~torchmp.cli.report` (the summary table) and :mod:`~torchmp.cli.exit_codes`.
 """

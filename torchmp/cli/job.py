@@ -23,14 +23,8 @@ from torchmp.api import start_processes
 from torchmp.cli import hang
 from torchmp.cli.console import say, show
 from torchmp.cli.exit_codes import TIME_LIMIT_EXIT, exit_code_for
-from torchmp.cli.plan import (
-    AnnouncingLogsSpecs,
-    Plan,
-    SetupError,
-    describe_mkdir_error,
-    free_port,
-    where_ranks_run,
-)
+from torchmp.cli.logdir import AnnouncingLogsSpecs, SetupError, describe_mkdir_error
+from torchmp.cli.plan import Plan, free_port, where_ranks_run
 from torchmp.cli.report import format_summary, summary_reason
 from torchmp.errors import ChildFailedError
 

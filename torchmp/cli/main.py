@@ -19,7 +19,8 @@ from torchmp._signals import (
 )
 from torchmp.cli.console import say, settle_console
 from torchmp.cli.job import Job
-from torchmp.cli.plan import PROG, Plan, SetupError, UsageError, build_parser, split_command
+from torchmp.cli.logdir import SetupError
+from torchmp.cli.plan import PROG, Plan, UsageError, build_parser, split_command
 
 __all__ = ["main"]
 
