@@ -148,6 +148,43 @@ def test_torchelastic_signals_to_handle_naming_usr1_makes_it_stop_the_job(run, t
         assert logs(tmp_path, rank) == f"ready\nrank {rank} got SIGUSR1\n"
 
 
+# torchmp run with its launch hooked: the signal comes while the workers
+# start (the same module before and after the command line became a package).
+EARLY = textwrap.dedent("""\
+    import os, signal, sys
+    try:
+        from torchmp.cli import job as launching
+    except ImportError:
+        import torchmp.cli as launching
+    real = launching.start_processes
+    def start_processes(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGUSR2)
+        return real(*args, **kwargs)
+    launching.start_processes = start_processes
+    from torchmp.cli import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def test_a_handled_report_signal_during_the_launch_waits_for_the_context_and_stops_the_job(tmp_path):
+    # TORCHELASTIC_SIGNALS_TO_HANDLE names SIGUSR2: it stops the job, as in
+    # torchelastic, from the first moment -- held while the workers start,
+    # then passed on to them -- not the default action that would kill
+    # torchmp run and leave the ranks.
+    (tmp_path / "rank.py").write_text(RANK)
+    (tmp_path / "early.py").write_text(EARLY)
+    with Launchers(follow=True) as launchers:
+        la = launchers.start(
+            [sys.executable, "early.py", "-n", "2", "--log-dir", str(tmp_path / "logs"), "--",
+             sys.executable, "rank.py", "trap"],
+            cwd=tmp_path, env={"TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGUSR2"}, unset=UNSET[1:])
+        assert la.finish() == 128 + signal.SIGUSR2
+        assert "torchmp: got SIGUSR2: terminated the workers" in la.err
+        summary = "torchmp: summary of rank: 0/2 ranks succeeded, exit code 140"
+        assert any(line.startswith(summary) for line in la.err), la.err
+    assert wait_no_tagged(la.tag) == []
+
+
 @pytest.mark.parametrize("options, env, message", [
     (("--forward-signals", "TERM"), {}, "--forward-signals/--hang-report-signal: SIGTERM stops the job"),
     (("--forward-signals", "USR2"), {}, "SIGUSR2 asks for the hang report; to forward it, choose another"),
