@@ -14,6 +14,12 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+# The C function under signal.signal (CPython's _signal; no stubs), and the
+# stdlib's wrapper it stands in for.
+from _signal import signal as _c_signal  # type: ignore[import-not-found]
+
+_STDLIB_SIGNAL = signal.signal
+
 if TYPE_CHECKING:
     from torchmp._pcontext import PContext
 
@@ -228,12 +234,21 @@ def install_handlers(signal_module: Any, threading_module: Any, log: logging.Log
         )
         return
     names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", _DEFAULT_HANDLED_NAMES)
+    # The stdlib's signal.signal converts its arguments and the previous
+    # handler to enums (an exception per call for a function handler): on
+    # every start() that was most of this function's cost.  The C function
+    # underneath does the same installation; a replaced module or function
+    # (torch's tests watch the calls) is called as it is.
+    install = signal_module.signal
+    if install is _STDLIB_SIGNAL:
+        install = _c_signal
     for sig_name in names.split(","):
         sig_name = sig_name.strip()
         if not sig_name:
             continue
         try:
-            signal_module.signal(getattr(signal_module, sig_name), _terminate_process_handler)
+            sig = getattr(signal_module, sig_name)
+            install(int(sig) if install is _c_signal else sig, _terminate_process_handler)
             log.info("Registered signal handler for %s", sig_name)
         except (AttributeError, ValueError, OSError) as e:
             log.warning("Failed to register signal handler for %s: %s", sig_name, e)
