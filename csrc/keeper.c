@@ -85,14 +85,15 @@ static void keeper_close_from(int lowfd, int keep)
  * and an anonymous mapping right after a library's writable data (its
  * .bss, e.g. this file's statics).  Sanitizer and coverage builds skip it,
  * and so does a launcher under valgrind (seen by its preload): their
- * runtimes keep state in anonymous memory the keeper still uses. */
+ * runtimes keep state in anonymous memory the keeper still uses.  So does
+ * the portable build (no /proc). */
 #if defined(__has_feature)
 #if __has_feature(address_sanitizer)
 #define KEEPER_UNDER_ASAN 1
 #endif
 #endif
-#if defined(__linux__) && defined(MADV_DONTNEED) && !defined(TORCHMP_COVERAGE) && \
-    !defined(__SANITIZE_ADDRESS__) && !defined(KEEPER_UNDER_ASAN)
+#if defined(__linux__) && !defined(TORCHMP_PORTABLE) && defined(MADV_DONTNEED) && \
+    !defined(TORCHMP_COVERAGE) && !defined(__SANITIZE_ADDRESS__) && !defined(KEEPER_UNDER_ASAN)
 #define KEEPER_DROPS_MEMORY 1
 #endif
 
@@ -270,12 +271,7 @@ int torchmp_keeper_start(void)
         errno = saved;
         return -1;
     }
-#ifdef KEEPER_DROPS_MEMORY
-    {
-        const char *preload = getenv("LD_PRELOAD");
-        drop_memory = preload == NULL || strstr(preload, "vgpreload") == NULL;
-    }
-#endif
+    drop_memory = torchmp_keeper_drops_memory();
     child = fork();
     if (child < 0) {
         int saved = errno;
@@ -326,6 +322,16 @@ void torchmp_keeper_forget(void)
         keeper_write_fd = -1;
         keeper_table = NULL;
     }
+}
+
+int torchmp_keeper_drops_memory(void)
+{
+#ifdef KEEPER_DROPS_MEMORY
+    const char *preload = getenv("LD_PRELOAD");
+    return preload == NULL || strstr(preload, "vgpreload") == NULL;
+#else
+    return 0;
+#endif
 }
 
 pid_t torchmp_keeper_pid(void)

@@ -20,7 +20,8 @@ from torchmp import _core
 
 pytestmark = [
     pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="needs /proc/PID/smaps_rollup"),
-    pytest.mark.skipif(_core.PORTABLE_BUILD, reason="the portable build's keeper keeps its memory"),
+    pytest.mark.skipif(not _core.keeper_drops_memory(),
+                       reason="this build's keeper keeps its memory (sanitizer, coverage, valgrind, portable)"),
 ]
 
 LAUNCHER = """
