@@ -205,8 +205,19 @@ def resolve_memory_cgroup(proc_cgroup: str, mounts: list[Mount]) -> MemCgroup | 
 # --- reading the system ---------------------------------------------------------
 
 def _read(path: str) -> str:
-    with open(path, encoding="utf-8", errors="surrogateescape") as f:
-        return f.read()
+    # Raw reads: every launch reads two of these small kernel files, and
+    # open()'s text layer costs several times the system calls.
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    return b"".join(chunks).decode("utf-8", "surrogateescape")
 
 
 _mounts: tuple[int, list[Mount]] | None = None
@@ -221,11 +232,26 @@ def _cgroup_mounts() -> list[Mount]:
     return _mounts[1]
 
 
+# The last resolution, keyed by (pid, /proc/<pid>/cgroup text, mount table):
+# the text is read on every call (a process can be moved to another cgroup),
+# the parse and the mount lookup are done again only when it changed.
+_resolved: tuple[int, str, list[Mount], MemCgroup | None] | None = None
+
+
 def memory_cgroup(pid: int | str = "self") -> MemCgroup | None:
     """The memory cgroup of pid (or "self"), or None if it cannot be found."""
+    global _resolved
     try:
         text = _read(f"/proc/{pid}/cgroup")
-        return resolve_memory_cgroup(text, _cgroup_mounts())
+        mounts = _cgroup_mounts()
+        me = os.getpid()
+        cached = _resolved
+        if pid == "self" and cached is not None and cached[0] == me and cached[1] == text and cached[2] is mounts:
+            return cached[3]
+        cg = resolve_memory_cgroup(text, mounts)
+        if pid == "self":
+            _resolved = (me, text, mounts, cg)
+        return cg
     except (OSError, ValueError):
         return None
 

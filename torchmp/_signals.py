@@ -17,6 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 from torchmp import _core
 
+# The C function under signal.signal (CPython's _signal; no stubs), and the
+# stdlib's wrapper it stands in for.
+from _signal import signal as _c_signal  # type: ignore[import-not-found]
+
+_STDLIB_SIGNAL = signal.signal
+
 if TYPE_CHECKING:
     from torchmp._pcontext import PContext
 
@@ -240,9 +246,18 @@ def install_handlers(signal_module: Any = signal, threading_module: Any = thread
                 "This could lead to orphaned worker processes if the torchrun is terminated."
             )
         return
+    # The stdlib's signal.signal converts its arguments and the previous
+    # handler to enums (an exception per call for a function handler): on
+    # every start() that was most of this function's cost.  The C function
+    # underneath does the same installation; a replaced module or function
+    # (torch's tests watch the calls) is called as it is.
+    install = signal_module.signal
+    if install is _STDLIB_SIGNAL:
+        install = _c_signal
     for sig_name in _handled_signal_names():
         try:
-            signal_module.signal(getattr(signal_module, sig_name), handler)
+            sig = getattr(signal_module, sig_name)
+            install(int(sig) if install is _c_signal else sig, handler)
             if log is not None:
                 log.info("Registered signal handler for %s", sig_name)
         except (AttributeError, ValueError, OSError) as e:

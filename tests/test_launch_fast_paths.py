@@ -1,0 +1,91 @@
+"""The shortcuts the launch path takes for speed (issue 22) give the same
+answers as the long way: the OOM-killer baseline's cached cgroup follows a
+move to another cgroup and a fork, and the signal handlers installed through
+CPython's C function are torch's handler, as signal.signal would install."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+
+from torchmp import _oom, _signals, api
+
+CGROUP_V2 = "0::/job/a\n"
+MOUNTINFO_V2 = "30 1 0:26 / {root} rw,nosuid - cgroup2 cgroup2 rw\n"
+
+
+@pytest.fixture
+def fake_proc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """/proc/self/cgroup and /proc/self/mountinfo as the test says, and a
+    cgroup2 mount under tmp_path; _oom's caches emptied."""
+    files = {"/proc/self/cgroup": CGROUP_V2, "/proc/self/mountinfo": MOUNTINFO_V2.format(root=tmp_path)}
+    real = _oom._read
+
+    def read(path: str) -> str:
+        return files[path] if path in files else real(path)
+
+    monkeypatch.setattr(_oom, "_read", read)
+    monkeypatch.setattr(_oom, "_mounts", None)
+    monkeypatch.setattr(_oom, "_resolved", None)
+    for job, count in (("job/a", 3), ("job/b", 7)):
+        d = tmp_path / job
+        d.mkdir(parents=True)
+        (d / "memory.events").write_text(f"low 0\nhigh 0\nmax 0\noom 1\noom_kill {count}\n")
+    return files
+
+
+def test_oom_baseline_follows_a_move_to_another_cgroup(fake_proc: dict[str, str], tmp_path: Path) -> None:
+    first = _oom.start_watch()
+    assert first is not None and first.cgroup.path == "/job/a" and first.before == 3
+    assert _oom.start_watch().cgroup == first.cgroup  # (the cached answer)
+    fake_proc["/proc/self/cgroup"] = "0::/job/b\n"  # the launcher was moved meanwhile
+    moved = _oom.start_watch()
+    assert moved is not None and moved.cgroup.path == "/job/b" and moved.before == 7
+    assert moved.cgroup.counter_file == str(tmp_path / "job" / "b" / "memory.events")
+
+
+def test_oom_baseline_cache_is_not_a_forked_childs(fake_proc: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    watch = _oom.start_watch()
+    assert watch is not None
+    # An entry left by another process (as a fork inherits it) is not used.
+    cached = _oom._resolved
+    assert cached is not None
+    monkeypatch.setattr(_oom, "_resolved", (cached[0] + 1, *cached[1:3], _oom.MemCgroup(2, "/stale", "-")))
+    again = _oom.start_watch()
+    assert again is not None and again.cgroup.path == "/job/a"
+
+
+def test_oom_baseline_reads_a_counter_larger_than_one_read(tmp_path: Path) -> None:
+    counter = tmp_path / "memory.events"
+    counter.write_text("x " * 70000 + "\noom_kill 5\n")  # past one 64 KiB read
+    assert _oom.read_oom_kills(_oom.MemCgroup(2, "/", str(counter))) == 5
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="handlers need the main thread")
+def test_handlers_installed_through_the_c_function_are_torchs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGUSR1,SIGUSR2")
+    saved = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGUSR2)}
+    try:
+        for s in saved:
+            signal.signal(s, signal.SIG_DFL)
+        api._install_signal_handlers()
+        for s in saved:
+            assert signal.getsignal(s) is _signals.terminate_process_handler
+        with pytest.raises(api.SignalException) as raised:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            signal.pthread_sigmask(signal.SIG_BLOCK, [])  # a point where the handler runs
+        assert raised.value.sigval == signal.SIGUSR1
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+def test_a_replaced_signal_function_is_still_called(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[object, object]] = []
+    monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGUSR2")
+    monkeypatch.setattr(signal, "signal", lambda sig, handler: calls.append((sig, handler)))
+    api._install_signal_handlers()
+    assert calls == [(signal.SIGUSR2, _signals.terminate_process_handler)]
