@@ -18,7 +18,7 @@ import pytest
 import torchmp
 from torchmp import Std, _core
 
-import fn_workers as fw
+from workers import functions as fw
 from fn_helpers import UNPICKLABLE, expected_streams, run, start, use_fd_level_std
 from fn_helpers import forkserver_hygiene  # noqa: F401 (autouse: a fixture of this module)
 from helpers import launch, pid_alive

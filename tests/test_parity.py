@@ -38,7 +38,7 @@ import pytest
 import torchmp
 from helpers import pid_alive, wait_gone
 
-import parity_workers as pw
+from workers import parity as pw
 
 PY = sys.executable
 PERIOD = 0.05  # torch's wait() polls every `period` s; torchmp ignores it
@@ -881,7 +881,7 @@ def test_wait_timeout_returns_result_when_done(impl, tmp_path):
 def test_close_timeout_kills_term_ignoring_worker(impl, tmp_path, kind):
     pidfile = tmp_path / "pids"
     if kind == "binary":
-        script = Path(__file__).resolve().parent / "bin" / "ignore_term.py"
+        script = Path(__file__).resolve().parent / "workers" / "ignore_term.py"
         entry, args, kw = PY, {0: (str(script), str(pidfile), 60)}, {}
     else:
         entry, args, kw = pw.ignore_term_and_sleep, {0: (str(pidfile), 60)}, {"start_method": "fork"}

@@ -33,17 +33,16 @@ from torchmp import Std
 from torchmp._launch import forkserver as _forkserver
 from torchmp.errors import ChildFailedError
 
-from helpers import BIN, launch, run_launcher
+from helpers import launch, run_launcher
 
 METHODS = ("spawn", "fork", "forkserver")
 
 
 @pytest.fixture
-def secworkers(monkeypatch):
-    """tests/bin/secworkers.py, importable here and in spawned workers (they
-    get the launcher's sys.path)."""
-    monkeypatch.syspath_prepend(str(BIN))
-    import secworkers as mod
+def secworkers():
+    """tests/workers/security.py, importable here and in spawned workers (they
+    get the launcher's sys.path, tests/ on it)."""
+    from workers import security as mod
     return mod
 
 
