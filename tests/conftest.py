@@ -22,6 +22,9 @@ import pytest
 import torchmp
 from torchmp import _core
 
+# The parity suite's fixtures (impl and the two its modules use), none autouse.
+pytest_plugins = ["parity_helpers"]
+
 
 def _open_fds() -> set[int]:
     # listdir opens a descriptor of its own while it reads; keep only fds
