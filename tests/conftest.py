@@ -22,8 +22,9 @@ import pytest
 import torchmp
 from torchmp import _core
 
-# The parity suite's fixtures (impl and the two its modules use), none autouse.
-pytest_plugins = ["parity_helpers"]
+# Fixtures of the errors and parity suites, none autouse: their modules ask
+# for them (tests/errors_helpers.py, tests/parity_helpers.py).
+pytest_plugins = ["errors_helpers", "parity_helpers"]
 
 
 def _open_fds() -> set[int]:

@@ -3,8 +3,8 @@
 Covered elsewhere (not repeated): a binary's argv is literal, never a shell
 (test_spawn.py); env keys/values with NUL or '=' are rejected
 (test_spawn.py); a symlink planted as a log file is not followed
-(test_lifecycle.py); error.json is read with a size cap (test_errors.py, the
-reading side).  Here:
+(test_lifecycle.py); error.json is read with a size cap
+(test_errors_reading.py).  Here:
 
 * log files and directories get their permissions from the umask, as torch
   creates them, and the workers run with the launcher's umask;
