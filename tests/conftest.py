@@ -14,6 +14,7 @@ import itertools
 import os
 import re
 import signal
+import sys
 import time
 
 import psutil
@@ -142,13 +143,35 @@ def _imports_torch(item: pytest.Item) -> bool:
     return False
 
 
+_IMPORTS_TORCH = pytest.StashKey[bool]()
+_torch_too_early: list[str] = []  # the test after which torch was first seen too early
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # The tests that import torch run last: once torch is imported, the test
     # process holds ~1.2 GB and 190k objects, and every fork of it (the fork
     # start method, the poll round's no-vfork spawns: 130 ms each) and every
     # full collection costs many times more.  Stable: the rest keep their
     # order, and so do these.
-    items.sort(key=_imports_torch)
+    for item in items:
+        item.stash[_IMPORTS_TORCH] = _imports_torch(item)
+    items.sort(key=lambda item: item.stash[_IMPORTS_TORCH])
+
+
+@pytest.fixture(autouse=True)
+def torch_comes_last(request: pytest.FixtureRequest):
+    """Fails the first test that is not ordered with torch's but after which
+    torch is loaded: _imports_torch missed how that test (or its collection)
+    imports torch, and every test ordered after it would pay for it.  The
+    message says how to tell conftest."""
+    yield
+    if _torch_too_early or request.node.stash.get(_IMPORTS_TORCH, True) or "torch" not in sys.modules:
+        return
+    _torch_too_early.append(request.node.nodeid)
+    pytest.fail("torch is loaded after this test, which conftest.py did not order with the tests that "
+                "import torch (they run last): if this test imports torch, directly or through what it "
+                "calls, mark it @pytest.mark.torch; if torch came in earlier (at collection), find who "
+                "imports it", pytrace=False)
 
 
 def pytest_configure(config: pytest.Config) -> None:
