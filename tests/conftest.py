@@ -8,6 +8,7 @@ failing test never leaves processes behind, and the test is failed.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import inspect
 import itertools
@@ -134,13 +135,18 @@ def _imports_torch(item: pytest.Item) -> bool:
         if code is not None:
             functions += [names[n] for n in code.co_names
                           if inspect.isfunction(names.get(n)) and names[n].__module__ == function.__module__]
-    for function in functions:
-        try:
-            if function is not None and _TORCH_IMPORT.search(inspect.getsource(function)):
-                return True
-        except (OSError, TypeError):
-            continue
-    return False
+    return any(_source_imports_torch(function) for function in functions if function is not None)
+
+
+@functools.cache
+def _source_imports_torch(function: object) -> bool:
+    # Cached: the items of one test function share it, and every item's
+    # fixtures (pytest's own included) would otherwise be read and tokenized
+    # again for each item -- most of the suite's collection time.
+    try:
+        return _TORCH_IMPORT.search(inspect.getsource(function)) is not None  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return False
 
 
 _IMPORTS_TORCH = pytest.StashKey[bool]()
