@@ -149,7 +149,7 @@ def _source_imports_torch(function: object) -> bool:
         return False
 
 
-_IMPORTS_TORCH = pytest.StashKey[bool]()
+_RUNS_LAST = pytest.StashKey[bool]()  # torch's tests and those marked `last`
 _torch_too_early: list[str] = []  # the test after which torch was first seen too early
 
 
@@ -159,19 +159,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # start method, the poll round's no-vfork spawns: 130 ms each) and every
     # full collection costs many times more.  Stable: the rest keep their
     # order, and so do these.
+    # The same for a test marked `last`, which leaves the process big by
+    # other means (see the marker's description in pyproject.toml).
     for item in items:
-        item.stash[_IMPORTS_TORCH] = _imports_torch(item)
-    items.sort(key=lambda item: item.stash[_IMPORTS_TORCH])
+        item.stash[_RUNS_LAST] = _imports_torch(item) or item.get_closest_marker("last") is not None
+    items.sort(key=lambda item: item.stash[_RUNS_LAST])
 
 
 @pytest.fixture(autouse=True)
 def torch_comes_last(request: pytest.FixtureRequest):
-    """Fails the first test that is not ordered with torch's but after which
-    torch is loaded: _imports_torch missed how that test (or its collection)
+    """Fails the first test that is not ordered last with torch's but after
+    which torch is loaded: _imports_torch missed how that test (or its collection)
     imports torch, and every test ordered after it would pay for it.  The
     message says how to tell conftest."""
     yield
-    if _torch_too_early or request.node.stash.get(_IMPORTS_TORCH, True) or "torch" not in sys.modules:
+    if _torch_too_early or request.node.stash.get(_RUNS_LAST, True) or "torch" not in sys.modules:
         return
     _torch_too_early.append(request.node.nodeid)
     pytest.fail("torch is loaded after this test, which conftest.py did not order with the tests that "
