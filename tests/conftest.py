@@ -8,12 +8,14 @@ failing test never leaves processes behind, and the test is failed.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import inspect
 import itertools
 import os
 import re
 import signal
+import sys
 import time
 
 import psutil
@@ -21,6 +23,10 @@ import pytest
 
 import torchmp
 from torchmp import _core
+
+# Fixtures of the errors and parity suites, none autouse: their modules ask
+# for them (tests/errors_helpers.py, tests/parity_helpers.py).
+pytest_plugins = ["errors_helpers", "parity_helpers"]
 
 
 def _open_fds() -> set[int]:
@@ -129,13 +135,22 @@ def _imports_torch(item: pytest.Item) -> bool:
         if code is not None:
             functions += [names[n] for n in code.co_names
                           if inspect.isfunction(names.get(n)) and names[n].__module__ == function.__module__]
-    for function in functions:
-        try:
-            if function is not None and _TORCH_IMPORT.search(inspect.getsource(function)):
-                return True
-        except (OSError, TypeError):
-            continue
-    return False
+    return any(_source_imports_torch(function) for function in functions if function is not None)
+
+
+@functools.cache
+def _source_imports_torch(function: object) -> bool:
+    # Cached: the items of one test function share it, and every item's
+    # fixtures (pytest's own included) would otherwise be read and tokenized
+    # again for each item -- most of the suite's collection time.
+    try:
+        return _TORCH_IMPORT.search(inspect.getsource(function)) is not None  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return False
+
+
+_RUNS_LAST = pytest.StashKey[bool]()  # torch's tests and those marked `last`
+_torch_too_early: list[str] = []  # the test after which torch was first seen too early
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -144,7 +159,27 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # start method, the poll round's no-vfork spawns: 130 ms each) and every
     # full collection costs many times more.  Stable: the rest keep their
     # order, and so do these.
-    items.sort(key=_imports_torch)
+    # The same for a test marked `last`, which leaves the process big by
+    # other means (see the marker's description in pyproject.toml).
+    for item in items:
+        item.stash[_RUNS_LAST] = _imports_torch(item) or item.get_closest_marker("last") is not None
+    items.sort(key=lambda item: item.stash[_RUNS_LAST])
+
+
+@pytest.fixture(autouse=True)
+def torch_comes_last(request: pytest.FixtureRequest):
+    """Fails the first test that is not ordered last with torch's but after
+    which torch is loaded: _imports_torch missed how that test (or its collection)
+    imports torch, and every test ordered after it would pay for it.  The
+    message says how to tell conftest."""
+    yield
+    if _torch_too_early or request.node.stash.get(_RUNS_LAST, True) or "torch" not in sys.modules:
+        return
+    _torch_too_early.append(request.node.nodeid)
+    pytest.fail("torch is loaded after this test, which conftest.py did not order with the tests that "
+                "import torch (they run last): if this test imports torch, directly or through what it "
+                "calls, mark it @pytest.mark.torch; if torch came in earlier (at collection), find who "
+                "imports it", pytrace=False)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -1,8 +1,8 @@
 """Shared by the tests of function entrypoints (tests/test_functions*.py):
 the start methods, the launch helpers, the forkserver hygiene fixture and
-what the workers of tests/fn_workers.py write.
+what the workers of tests/workers/functions.py write.
 
-Kept out of fn_workers.py, which spawn and forkserver workers import and
+Kept out of workers/functions.py, which spawn and forkserver workers import and
 which must stay light.
 """
 from __future__ import annotations

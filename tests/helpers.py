@@ -20,7 +20,7 @@ import torchmp
 from torchmp import DefaultLogsSpecs, Std
 
 HERE = Path(__file__).resolve().parent
-BIN = HERE / "bin"
+WORKERS = HERE / "workers"  # worker scripts, run by path
 REPO = HERE.parent
 
 #: Where the torchmp these tests import comes from (installed, or a built

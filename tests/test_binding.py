@@ -20,7 +20,7 @@ from torchmp import DefaultLogsSpecs, Std, _core, _placement
 from torchmp._topology import BindingError
 from torchmp.numa import AffinityMode, NumaOptions
 
-import fn_workers as fw
+from workers import functions as fw
 from fake_sysfs import like_this_host
 from fn_helpers import forkserver_hygiene  # noqa: F401 (autouse: a fixture of this module)
 from helpers import HERE, launch, run_launcher
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.skipif(len(CPUS) < 2 or not _core.HAVE_BINDING,
 PRINT_PLACEMENT = textwrap.dedent(f"""
     import sys
     sys.path.insert(0, {str(HERE)!r})
-    import fn_workers
+    from workers import functions as fn_workers
     print(*fn_workers.placement())
 """)
 

@@ -31,9 +31,9 @@ import torchmp
 import torchmp.api
 from torchmp import Std, _core
 
-from helpers import BIN, kill_groups, launch, pid_alive, wait_gone
+from helpers import WORKERS, kill_groups, launch, pid_alive, wait_gone
 
-WRITER = str(BIN / "writer.py")
+WRITER = str(WORKERS / "writer.py")
 
 
 def _load_writer():
@@ -45,7 +45,7 @@ def _load_writer():
     return module
 
 
-expected_output = _load_writer().expected_output  # the bytes tests/bin/writer.py writes
+expected_output = _load_writer().expected_output  # the bytes tests/workers/writer.py writes
 
 
 # --- a worker that SIGKILL does not take down in time ---------------------------
@@ -244,7 +244,7 @@ def test_log_directory_removed_while_workers_write(tmp_path, mode, capfdbinary):
 
 
 def test_log_directory_removed_before_a_function_worker_records_its_error(tmp_path, monkeypatch):
-    import fn_workers as fw
+    from workers import functions as fw
 
     log_root = tmp_path / "logs"
     ctx = launch(fw.raise_value_error, {0: (0, 1.0)}, log_dir=log_root, redirects=Std.ALL, start_method="spawn")

@@ -5,7 +5,7 @@ codes and signals, pickling errors, fail-fast, process-group cleanup, the
 ``__main__`` guard and fd hygiene.  What is particular to one start method
 is in test_functions_spawn.py, test_functions_fork.py and
 test_functions_forkserver.py; the shared helpers are in fn_helpers.py, the
-worker functions in tests/fn_workers.py (so spawn and forkserver workers can
+worker functions in tests/workers/functions.py (so spawn and forkserver workers can
 import them).
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torchmp
 from torchmp import ProcessFailure, Std
 from torchmp.errors import ChildFailedError
 
-import fn_workers as fw
+from workers import functions as fw
 from fn_helpers import (MB, METHODS, PICKLING_METHODS, UNPICKLABLE, expected_streams, run, server_pid, start,
                         use_fd_level_std)
 from fn_helpers import forkserver_hygiene  # noqa: F401 (autouse: a fixture of this module)
@@ -301,7 +301,7 @@ def test_segfault_is_minus_11_with_a_python_traceback(tmp_path, start_method, mo
     assert failure.exitcode == -signal.SIGSEGV and failure.signal_name() == "SIGSEGV"
     err = Path(result.stderrs[0]).read_text()
     assert err.startswith("Fatal Python error: Segmentation fault")
-    assert 'in segfault' in err and "fn_workers.py" in err
+    assert 'in segfault' in err and "workers/functions.py" in err
 
 
 @pytest.mark.parametrize("start_method", METHODS)
@@ -458,7 +458,7 @@ def test_workers_die_with_a_sigkilled_launcher(tmp_path, start_method):
         import torchmp
         from torchmp import _core
         from torchmp._launch import forkserver as _forkserver
-        import fn_workers
+        from workers import functions as fn_workers
         ctx = torchmp.start_processes("w", fn_workers.announce_and_sleep,
                                       {{0: ({str(pidfile)!r},), 1: ({str(pidfile)!r},)}}, {{0: {{}}, 1: {{}}}},
                                       torchmp.DefaultLogsSpecs(log_dir={str(tmp_path / "logs")!r}),

@@ -17,7 +17,7 @@ import pytest
 from torchmp._launch import forkserver as _forkserver
 from torchmp.errors import ChildFailedError
 
-import fn_workers as fw
+from workers import functions as fw
 from fn_helpers import run, server_pid, start
 from fn_helpers import forkserver_hygiene  # noqa: F401 (autouse: a fixture of this module)
 from helpers import Launchers, kill_groups, pid_alive, read_pids, wait_gone
@@ -89,14 +89,14 @@ def test_launch_after_an_idle_forkserver_died_and_was_reaped(tmp_path):
 
 
 def test_forkserver_preload_is_imported_by_a_fresh_server(tmp_path):
-    modules = ("fn_workers", "colorsys")
+    modules = ("workers.functions", "colorsys")
     # Without a preload, the server has neither; each worker imports
-    # fn_workers itself when it unpickles its function.
+    # workers.functions itself when it unpickles its function.
     _forkserver.get_forkserver()._stop()
     result = run(tmp_path, fw.preload_report, {0: (modules,)}, "forkserver", log_dir=tmp_path / "a")
     plain = result.return_values[0]
     assert plain["imported_by"] == plain["pid"]
-    assert plain["loaded"] == {"fn_workers": True, "colorsys": False}
+    assert plain["loaded"] == {"workers.functions": True, "colorsys": False}
     _forkserver.get_forkserver()._stop()
 
     _forkserver.set_forkserver_preload(list(modules))
@@ -107,7 +107,7 @@ def test_forkserver_preload_is_imported_by_a_fresh_server(tmp_path):
         report = result.return_values[rank]
         assert report["ppid"] == server
         assert report["imported_by"] == server  # imported once, in the server
-        assert report["loaded"] == {"fn_workers": True, "colorsys": True}
+        assert report["loaded"] == {"workers.functions": True, "colorsys": True}
 
 
 def test_forkserver_preload_rejects_a_bare_string():

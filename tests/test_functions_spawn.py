@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import fn_workers as fw
+from workers import functions as fw
 import torchmp
 from torchmp import DefaultLogsSpecs, SignalException
 from fn_helpers import forkserver_hygiene  # noqa: F401 (autouse: a fixture of this module)
@@ -22,8 +22,9 @@ def test_spawn_worker_imports_nothing_heavy(tmp_path):
     heavy = ("torchmp.api", "torchmp.errors", "torchmp.logs_specs", "torchmp._functions", "logging", "json")
     res = run_launcher(f"""
         import sys
-        sys.path.insert(0, {str(Path(fw.__file__).parent)!r})
-        import fn_workers, torchmp
+        sys.path.insert(0, {str(Path(fw.__file__).parent.parent)!r})
+        import torchmp
+        from workers import functions as fn_workers
         ctx = torchmp.start_processes("t", fn_workers.loaded_modules, {{0: ({heavy!r},)}}, {{0: {{}}}},
                                       torchmp.DefaultLogsSpecs(log_dir={str(tmp_path)!r}), start_method="spawn")
         result = ctx.wait(60)

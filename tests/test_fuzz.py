@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, event, example, given, settings, strategies 
 import torchmp
 from torchmp import DefaultLogsSpecs, Std, SubprocessContext, _core, to_map
 
-import fn_workers as fw
+from workers import functions as fw
 
 
 def fuzz(max_examples: int, fixtures: bool = False) -> settings:

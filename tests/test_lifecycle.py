@@ -13,7 +13,7 @@ import pytest
 import torchmp
 from torchmp import DefaultLogsSpecs, RunProcsResult, SignalException, Std, SubprocessContext
 
-from helpers import (BIN, kill_groups, launch, pid_alive, popen_launcher, python_worker, read_pids,
+from helpers import (WORKERS, kill_groups, launch, pid_alive, popen_launcher, python_worker, read_pids,
                      run_launcher, wait_gone)
 
 
@@ -78,7 +78,7 @@ def test_fail_fast_terminates_siblings_and_reports_root_cause(tmp_path):
 
 def test_close_escalates_to_sigkill_on_term_ignoring_workers(tmp_path):
     pidfile = tmp_path / "pids"
-    ctx = launch(sys.executable, {r: (str(BIN / "ignore_term.py"), str(pidfile)) for r in range(2)},
+    ctx = launch(sys.executable, {r: (str(WORKERS / "ignore_term.py"), str(pidfile)) for r in range(2)},
                  log_dir=tmp_path / "logs")
     pids = read_pids(pidfile, 2)
     t0 = time.monotonic()

@@ -3,8 +3,8 @@
 Covered elsewhere (not repeated): a binary's argv is literal, never a shell
 (test_spawn.py); env keys/values with NUL or '=' are rejected
 (test_spawn.py); a symlink planted as a log file is not followed
-(test_lifecycle.py); error.json is read with a size cap (test_errors.py, the
-reading side).  Here:
+(test_lifecycle.py); error.json is read with a size cap
+(test_errors_reading.py).  Here:
 
 * log files and directories get their permissions from the umask, as torch
   creates them, and the workers run with the launcher's umask;
@@ -33,17 +33,16 @@ from torchmp import Std
 from torchmp._launch import forkserver as _forkserver
 from torchmp.errors import ChildFailedError
 
-from helpers import BIN, launch, run_launcher
+from helpers import launch, run_launcher
 
 METHODS = ("spawn", "fork", "forkserver")
 
 
 @pytest.fixture
-def secworkers(monkeypatch):
-    """tests/bin/secworkers.py, importable here and in spawned workers (they
-    get the launcher's sys.path)."""
-    monkeypatch.syspath_prepend(str(BIN))
-    import secworkers as mod
+def secworkers():
+    """tests/workers/security.py, importable here and in spawned workers (they
+    get the launcher's sys.path, tests/ on it)."""
+    from workers import security as mod
     return mod
 
 

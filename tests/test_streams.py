@@ -10,7 +10,7 @@ import pytest
 
 from torchmp import Std, _core
 
-from helpers import BIN, kill_groups, launch, read_pids, run_launcher, wait_gone
+from helpers import WORKERS, kill_groups, launch, read_pids, run_launcher, wait_gone
 
 NON_UTF8 = b"caf\xe9 \xff\xfe bytes\x00nul\r\n"
 
@@ -83,7 +83,7 @@ def test_many_teed_lines_are_never_torn_or_lost(tmp_path):
         from torchmp import Std
         ctx = torchmp.start_processes(
             "trainer", sys.executable,
-            {{r: ("{BIN / 'lines.py'}", r, {count}) for r in range({nranks})}},
+            {{r: ("{WORKERS / 'lines.py'}", r, {count}) for r in range({nranks})}},
             {{r: {{}} for r in range({nranks})}},
             torchmp.DefaultLogsSpecs(log_dir="{tmp_path}/logs", tee=Std.OUT))
         r = ctx.wait(120)

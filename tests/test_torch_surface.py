@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-import fn_workers as fw
+from workers import functions as fw
 from helpers import launch, python_worker
 from torchmp import Std, api
 from torchmp._functions import ProcessExitedException

@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_parity.py (function launches).
+"""Worker functions for tests/test_parity_*.py (function launches).
 
 They live in a module of their own so that spawn and forkserver workers --
 of torchmp and of torch's implementation alike -- can unpickle them by

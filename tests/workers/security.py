@@ -1,7 +1,8 @@
 """Function-launch workers for tests/test_security.py.
 
-A test puts tests/bin on sys.path (spawned workers and the forkserver get
-the launcher's sys.path) so these functions pickle by reference.
+Imported as workers.security (tests/ is on sys.path, and spawned workers
+and the forkserver get the launcher's sys.path) so these functions pickle by
+reference.
 """
 import os
 
