@@ -16,7 +16,7 @@ from typing import Any, cast
 
 from torchmp import _console, _core, _oom, _placement, _shutdown
 from torchmp._launch import Launch, adopt_interrupted
-from torchmp._launch.streams import NO_STREAM, RankStreams, ensure_fd_budget, open_log
+from torchmp._launch.streams import NO_STREAM, RankStreams, ensure_fd_budget, open_log, prepare_log
 from torchmp._inputs import (
     DEFAULT_STDERR_TAIL_LINES, TAIL_BYTES_PER_LINE, _check_filters, _check_name, _check_prefixes,
     _normalize_args, _normalize_envs,
@@ -150,8 +150,7 @@ class _NativeContext(PContext):
             text = f"[{self.name}{rank}]:"
         return os.fsencode(text)
 
-    def _stream_spec(self, rank: int, which: int, opened: list[int], consoles: list[Any],
-                     backlog: int) -> _core.StreamSpec:
+    def _stream_spec(self, rank: int, which: int, consoles: list[Any], backlog: int) -> _core.StreamSpec:
         paths = self.stdouts if which == 0 else self.stderrs
         tees = self._logs_dest.tee_stdouts if which == 0 else self._logs_dest.tee_stderrs
         path = paths.get(rank, "")
@@ -167,28 +166,32 @@ class _NativeContext(PContext):
                 # is kept as it passes.
                 return _core.StreamSpec(_core.STREAM_TEE, -1, sink, b"", False, None, backlog, tail)
             return NO_STREAM
-        fd = open_log(path)
-        opened.append(fd)
+        # Created, truncated and checked now, so a bad path fails before
+        # anything starts; opened again by the core only when the rank starts.
+        log_path = os.fsencode(prepare_log(path))
         if rank in tees:
-            return _core.StreamSpec(_core.STREAM_TEE, fd, sink, self._prefix(rank), self.log_line_timestamps,
-                                    os.fsencode(os.path.abspath(path)), backlog, tail)
-        return _core.StreamSpec(_core.STREAM_FILE, fd, -1, None)
+            return _core.StreamSpec(_core.STREAM_TEE, -1, sink, self._prefix(rank), self.log_line_timestamps,
+                                    log_path, backlog, tail, True)
+        return _core.StreamSpec(_core.STREAM_FILE, -1, -1, None, False, log_path, open_log=True)
 
     # Launcher fds per rank beyond its streams: the pidfd, plus what a
     # subclass adds (return channel, spawn payload).
     _fds_per_rank = 1
 
     def _fds_needed(self) -> int:
-        """The most fds this context holds at once while starting: per stream
-        with a file, the file as opened here and (if teed) the loop's pipe
-        end and its own copy of the file; per rank _fds_per_rank; a few in
-        flight per spawn; some slack."""
+        """The most fds this context holds at once while starting: per teed
+        stream the loop's pipe end and (with a file) the log it writes; none
+        for a redirected one (the core opens its log when the rank starts and
+        closes it once the worker has it); per rank _fds_per_rank; the few of
+        the rank being started, and the I/O thread's own: some slack."""
         needed = 16
-        for paths, tees in ((self.stdouts, self._logs_dest.tee_stdouts),
-                            (self.stderrs, self._logs_dest.tee_stderrs)):
+        for which, paths, tees in ((0, self.stdouts, self._logs_dest.tee_stdouts),
+                                   (1, self.stderrs, self._logs_dest.tee_stderrs)):
             for rank in range(self.nprocs):
                 if paths.get(rank):
-                    needed += 3 if rank in tees else 1
+                    needed += 2 if rank in tees else 0
+                elif which == 1 and self.watch_stderr and self.stderr_tail:
+                    needed += 1
         return needed + self._fds_per_rank * self.nprocs
 
     def _ensure_fd_budget(self) -> None:
@@ -222,8 +225,8 @@ class _NativeContext(PContext):
                 else:
                     filtered.append((None, -1))
             streams = [
-                (self._stream_spec(rank, 0, opened, consoles, backlog),
-                 self._stream_spec(rank, 1, opened, consoles, backlog))
+                (self._stream_spec(rank, 0, consoles, backlog),
+                 self._stream_spec(rank, 1, consoles, backlog))
                 for rank in range(self.nprocs)
             ]
             if objects:
