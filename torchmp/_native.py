@@ -11,10 +11,11 @@ import os
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable, Generator, Mapping, Sized
 from typing import Any, cast
 
-from torchmp import _console, _core, _oom, _placement, _shutdown
+from torchmp import _console, _core, _oom, _orphans, _placement, _shutdown
 from torchmp._launch import Launch, adopt_interrupted
 from torchmp._launch.streams import NO_STREAM, RankStreams, ensure_fd_budget, open_log, prepare_log
 from torchmp._inputs import (
@@ -102,6 +103,9 @@ class _NativeContext(PContext):
         self._oom_watch: _oom.OomWatch | None = None
         # Whether close() found a SIGKILL torchmp did not send, to explain.
         self._oom_suspects = False
+        # Hands the group to torchmp._orphans if the program drops this
+        # context without closing it.
+        self._on_drop: weakref.finalize[Any, Any] | None = None
 
     @property
     def bindings(self) -> dict[int, _core.Binding]:
@@ -204,6 +208,8 @@ class _NativeContext(PContext):
         _console.claim_std_fds()
         backlog = _console.backlog_bound(self.console_backlog)
         _console.apply_stall()
+        # Dropped contexts whose ranks are all gone: their zombies (and fds) go now.
+        _orphans.reap_finished()
         self._ensure_fd_budget()
         consoles: list[Any] = [-1, -1]
         if self._logs_dest.tee_stdouts:
@@ -234,6 +240,7 @@ class _NativeContext(PContext):
                 _console.track(self._forwarder)
             self._group = _core.Group(self.nprocs, filtered[0][0], filtered[0][1], filtered[1][0], filtered[1][1])
             _live_contexts.add(self)
+            self._on_drop = _orphans.watch(self, self.name, self._group, self._launcher, self._forwarder)
             # From before any rank runs: what the OOM killer did meanwhile,
             # for a later SIGKILL that torchmp did not send.
             self._oom_watch = _oom.start_watch()
@@ -542,6 +549,8 @@ class _NativeContext(PContext):
         # make a retried close() use a released group.
         self._closed = True
         _live_contexts.discard(self)
+        if self._on_drop is not None:
+            self._on_drop.detach()
         group.release()
 
     def _keep_tails(self, group: _core.Group, ranks: list[_core.ProcInfo]) -> None:
@@ -624,9 +633,11 @@ class _NativeContext(PContext):
 
 
 # Contexts started and not closed yet: closed the normal way (death signal,
-# grace period, SIGKILL) if the launcher exits without closing them.  Strong
-# references: a context the program dropped still has workers to stop.
-_live_contexts: set[_NativeContext] = set()
+# grace period, SIGKILL) if the launcher exits without closing them.  Weak
+# references: a context the program dropped becomes an orphan
+# (torchmp._orphans), reaped at the next launch once its ranks are gone, and
+# stopped at exit like these if they still run.
+_live_contexts: weakref.WeakSet[_NativeContext] = weakref.WeakSet()
 
 # The grace period those contexts get at exit, as close()'s default.
 EXIT_CLOSE_TIMEOUT = 30.0
@@ -638,9 +649,11 @@ def _close_live_contexts_at_exit() -> None:
             close_despite_interrupts(ctx, signal.SIGTERM, EXIT_CLOSE_TIMEOUT)
         except Exception as e:  # pragma: no cover - keep closing the others
             logger.error("closing %s at exit failed: %r", ctx.name, e)
+    _orphans.stop_all(signal.SIGTERM, EXIT_CLOSE_TIMEOUT)
 
 
 atexit.register(_close_live_contexts_at_exit)
 # A forked child has no contexts of its own to close at its exit: its
 # parent's are its parent's.
 os.register_at_fork(after_in_child=_live_contexts.clear)
+os.register_at_fork(after_in_child=_orphans.forget_after_fork)
