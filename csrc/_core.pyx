@@ -288,7 +288,11 @@ StreamSpec = _collections.namedtuple("StreamSpec", [
     "log_path",    # TEE: the log file's path for the console's marker line (bytes), or None
     "backlog",     # TEE: the console backlog bound for this stream, bytes
     "tail",        # TEE: keep this many of the last bytes for Group.tail (0: none)
-], defaults=(False, None, DEFAULT_CONSOLE_BACKLOG, 0))
+    # FILE, TEE: the core opens log_path (created and checked by the caller)
+    # only when the rank starts, and a FILE one is closed once the worker has
+    # it: a launch holds no fd for the logs of ranks it has not reached.
+    "open_log",
+], defaults=(False, None, DEFAULT_CONSOLE_BACKLOG, 0, False))
 StreamSpec.__module__ = __name__
 
 RankSpec = _collections.namedtuple("RankSpec", [

@@ -133,6 +133,7 @@ cdef extern from "torchmp.h" nogil:
         const char *log_path
         size_t backlog_limit
         size_t tail_bytes
+        int open_log
 
     ctypedef struct torchmp_rank_spec:
         torchmp_spawn_args args

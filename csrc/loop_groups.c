@@ -27,10 +27,11 @@ static const torchmp_stream_spec *rank_stream_spec(const torchmp_rank_spec *spec
 void torchmp_rank_close_worker_fds(const torchmp_rank_spec *spec, int *child_fds)
 {
     for (int w = 0; w < STREAM_COUNT; w++) {
-        int mode = rank_stream_spec(spec, w)->mode;
-        if (mode == TORCHMP_STREAM_TEE || mode == TORCHMP_STREAM_RETURN)
+        const torchmp_stream_spec *s = rank_stream_spec(spec, w);
+        if (s->mode == TORCHMP_STREAM_TEE || s->mode == TORCHMP_STREAM_RETURN
+            || (s->mode == TORCHMP_STREAM_FILE && s->open_log))
             close_fd(&child_fds[1 + w]);
-        child_fds[1 + w] = -1; /* FILE: the caller's own, left open */
+        child_fds[1 + w] = -1; /* FILE given as an fd: the caller's own, left open */
     }
 }
 

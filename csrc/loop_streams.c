@@ -15,6 +15,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 /* ---- streams ------------------------------------------------------------ */
 
@@ -321,6 +323,34 @@ void torchmp_loop_stream_free(torchmp_loop *L, stream *s)
     s->ret_len = s->ret_cap = 0;
 }
 
+/* A worker's log file, opened by path only when its rank starts (the caller
+ * created, truncated and checked it before the launch): a launch of many ranks
+ * holds no fd for the logs of ranks not started yet.  As there: never through
+ * a symlink, never blocking on a FIFO, a regular file or a device only. */
+static int open_log_path(const char *path)
+{
+    struct stat st;
+    int flags, saved;
+    int fd = open(path, O_WRONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK | O_NOFOLLOW);
+    if (fd < 0)
+        return -1;
+    if (fstat(fd, &st) != 0)
+        goto fail;
+    if (!S_ISREG(st.st_mode) && !S_ISCHR(st.st_mode)) {
+        errno = EINVAL;
+        goto fail;
+    }
+    flags = fcntl(fd, F_GETFL);
+    if (flags < 0 || fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0)
+        goto fail;
+    return fd;
+fail:
+    saved = errno;
+    close(fd);
+    errno = saved;
+    return -1;
+}
+
 int torchmp_loop_stream_open(torchmp_loop *L, torchmp_proc *p, int which, const torchmp_stream_spec *spec,
                              int *child_fd)
 {
@@ -329,8 +359,16 @@ int torchmp_loop_stream_open(torchmp_loop *L, torchmp_proc *p, int which, const 
 
     *child_fd = -1;
     if (spec->mode == TORCHMP_STREAM_FILE) {
-        *child_fd = spec->fd;
-        return 0;
+        if (!spec->open_log) {
+            *child_fd = spec->fd;
+            return 0;
+        }
+        if (spec->log_path == NULL) {
+            errno = EINVAL;
+            return -1;
+        }
+        *child_fd = open_log_path(spec->log_path);
+        return *child_fd < 0 ? -1 : 0;
     }
     if (spec->mode != TORCHMP_STREAM_TEE && spec->mode != TORCHMP_STREAM_RETURN)
         return 0;
@@ -340,7 +378,11 @@ int torchmp_loop_stream_open(torchmp_loop *L, torchmp_proc *p, int which, const 
     if (fcntl(pfd[0], F_SETFL, O_NONBLOCK) != 0)
         goto fail;
     if (spec->mode == TORCHMP_STREAM_TEE) {
-        if (spec->fd >= 0) {
+        if (spec->open_log && spec->log_path != NULL) {
+            s->log_fd = open_log_path(spec->log_path);
+            if (s->log_fd < 0)
+                goto fail;
+        } else if (spec->fd >= 0) {
             s->log_fd = fcntl(spec->fd, F_DUPFD_CLOEXEC, 3);
             if (s->log_fd < 0)
                 goto fail;

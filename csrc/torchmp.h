@@ -411,6 +411,9 @@ typedef struct {
     const char *log_path;      /* TEE: named by the console's marker line (copied; NULL: none) */
     size_t backlog_limit;      /* TEE: console backlog bound for this stream, bytes */
     size_t tail_bytes;         /* TEE: keep the last this many bytes for failure reports (0: none) */
+    int open_log;              /* FILE, TEE: fd is -1 and log_path is opened when the rank's streams
+                                * open (created and checked by the caller before); a FILE one is
+                                * closed again once the worker has it, so a launch holds none */
 } torchmp_stream_spec;
 
 typedef struct {

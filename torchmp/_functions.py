@@ -159,8 +159,10 @@ class MultiprocessContext(_NativeContext):
     def _fds_needed(self) -> int:
         needed = super()._fds_needed()
         if self.start_method != "spawn":
-            # Every rank's teed pipe ends are prepared before the first fork.
-            needed += len(self._logs_dest.tee_stdouts) + len(self._logs_dest.tee_stderrs)
+            # Every rank's streams are prepared before the first fork: a teed
+            # pipe's worker end, a redirect's log.
+            for paths in (self.stdouts, self.stderrs):
+                needed += sum(1 for rank in range(self.nprocs) if paths.get(rank))
         return needed
 
     def __init__(

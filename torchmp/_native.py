@@ -11,12 +11,13 @@ import os
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable, Generator, Mapping, Sized
 from typing import Any, cast
 
-from torchmp import _console, _core, _oom, _placement, _shutdown
+from torchmp import _console, _core, _oom, _orphans, _placement, _shutdown
 from torchmp._launch import Launch, adopt_interrupted
-from torchmp._launch.streams import NO_STREAM, RankStreams, ensure_fd_budget, open_log
+from torchmp._launch.streams import NO_STREAM, RankStreams, ensure_fd_budget, open_log, prepare_log
 from torchmp._inputs import (
     DEFAULT_STDERR_TAIL_LINES, TAIL_BYTES_PER_LINE, check_filters, check_name, check_prefixes,
     normalize_args, normalize_envs,
@@ -103,6 +104,9 @@ class _NativeContext(PContext):
         self._oom_watch: _oom.OomWatch | None = None
         # Whether close() found a SIGKILL torchmp did not send, to explain.
         self._oom_suspects = False
+        # Hands the group to torchmp._orphans if the program drops this
+        # context without closing it.
+        self._on_drop: weakref.finalize[Any, Any] | None = None
 
     @property
     def bindings(self) -> dict[int, _core.Binding]:
@@ -151,8 +155,7 @@ class _NativeContext(PContext):
             text = f"[{self.name}{rank}]:"
         return os.fsencode(text)
 
-    def _stream_spec(self, rank: int, which: int, opened: list[int], consoles: list[Any],
-                     backlog: int) -> _core.StreamSpec:
+    def _stream_spec(self, rank: int, which: int, consoles: list[Any], backlog: int) -> _core.StreamSpec:
         paths = self.stdouts if which == 0 else self.stderrs
         tees = self._logs_dest.tee_stdouts if which == 0 else self._logs_dest.tee_stderrs
         path = paths.get(rank, "")
@@ -168,28 +171,32 @@ class _NativeContext(PContext):
                 # is kept as it passes.
                 return _core.StreamSpec(_core.STREAM_TEE, -1, sink, b"", False, None, backlog, tail)
             return NO_STREAM
-        fd = open_log(path)
-        opened.append(fd)
+        # Created, truncated and checked now, so a bad path fails before
+        # anything starts; opened again by the core only when the rank starts.
+        log_path = os.fsencode(prepare_log(path))
         if rank in tees:
-            return _core.StreamSpec(_core.STREAM_TEE, fd, sink, self._prefix(rank), self.log_line_timestamps,
-                                    os.fsencode(os.path.abspath(path)), backlog, tail)
-        return _core.StreamSpec(_core.STREAM_FILE, fd, -1, None)
+            return _core.StreamSpec(_core.STREAM_TEE, -1, sink, self._prefix(rank), self.log_line_timestamps,
+                                    log_path, backlog, tail, True)
+        return _core.StreamSpec(_core.STREAM_FILE, -1, -1, None, False, log_path, open_log=True)
 
     # Launcher fds per rank beyond its streams: the pidfd, plus what a
     # subclass adds (return channel, spawn payload).
     _fds_per_rank = 1
 
     def _fds_needed(self) -> int:
-        """The most fds this context holds at once while starting: per stream
-        with a file, the file as opened here and (if teed) the loop's pipe
-        end and its own copy of the file; per rank _fds_per_rank; a few in
-        flight per spawn; some slack."""
+        """The most fds this context holds at once while starting: per teed
+        stream the loop's pipe end and (with a file) the log it writes; none
+        for a redirected one (the core opens its log when the rank starts and
+        closes it once the worker has it); per rank _fds_per_rank; the few of
+        the rank being started, and the I/O thread's own: some slack."""
         needed = 16
-        for paths, tees in ((self.stdouts, self._logs_dest.tee_stdouts),
-                            (self.stderrs, self._logs_dest.tee_stderrs)):
+        for which, paths, tees in ((0, self.stdouts, self._logs_dest.tee_stdouts),
+                                   (1, self.stderrs, self._logs_dest.tee_stderrs)):
             for rank in range(self.nprocs):
                 if paths.get(rank):
-                    needed += 3 if rank in tees else 1
+                    needed += 2 if rank in tees else 0
+                elif which == 1 and self.watch_stderr and self.stderr_tail:
+                    needed += 1
         return needed + self._fds_per_rank * self.nprocs
 
     def _ensure_fd_budget(self) -> None:
@@ -202,6 +209,8 @@ class _NativeContext(PContext):
         _console.claim_std_fds()
         backlog = _console.backlog_bound(self.console_backlog)
         _console.apply_stall()
+        # Dropped contexts whose ranks are all gone: their zombies (and fds) go now.
+        _orphans.reap_finished()
         self._ensure_fd_budget()
         consoles: list[Any] = [-1, -1]
         if self._logs_dest.tee_stdouts:
@@ -223,8 +232,8 @@ class _NativeContext(PContext):
                 else:
                     filtered.append((None, -1))
             streams = [
-                (self._stream_spec(rank, 0, opened, consoles, backlog),
-                 self._stream_spec(rank, 1, opened, consoles, backlog))
+                (self._stream_spec(rank, 0, consoles, backlog),
+                 self._stream_spec(rank, 1, consoles, backlog))
                 for rank in range(self.nprocs)
             ]
             if objects:
@@ -232,6 +241,7 @@ class _NativeContext(PContext):
                 _console.track(self._forwarder)
             self._group = _core.Group(self.nprocs, filtered[0][0], filtered[0][1], filtered[1][0], filtered[1][1])
             _live_contexts.add(self)
+            self._on_drop = _orphans.watch(self, self.name, self._group, self._launcher, self._forwarder)
             # From before any rank runs: what the OOM killer did meanwhile,
             # for a later SIGKILL that torchmp did not send.
             self._oom_watch = _oom.start_watch()
@@ -540,6 +550,8 @@ class _NativeContext(PContext):
         # make a retried close() use a released group.
         self._closed = True
         _live_contexts.discard(self)
+        if self._on_drop is not None:
+            self._on_drop.detach()
         group.release()
 
     def _keep_tails(self, group: _core.Group, ranks: list[_core.ProcInfo]) -> None:
@@ -622,9 +634,11 @@ class _NativeContext(PContext):
 
 
 # Contexts started and not closed yet: closed the normal way (death signal,
-# grace period, SIGKILL) if the launcher exits without closing them.  Strong
-# references: a context the program dropped still has workers to stop.
-_live_contexts: set[_NativeContext] = set()
+# grace period, SIGKILL) if the launcher exits without closing them.  Weak
+# references: a context the program dropped becomes an orphan
+# (torchmp._orphans), reaped at the next launch once its ranks are gone, and
+# stopped at exit like these if they still run.
+_live_contexts: weakref.WeakSet[_NativeContext] = weakref.WeakSet()
 
 # The grace period those contexts get at exit, as close()'s default.
 EXIT_CLOSE_TIMEOUT = SHUTDOWN_GRACE_SECONDS
@@ -636,9 +650,11 @@ def _close_live_contexts_at_exit() -> None:
             close_despite_interrupts(ctx, signal.SIGTERM, EXIT_CLOSE_TIMEOUT)
         except Exception as e:  # pragma: no cover - keep closing the others
             logger.error("closing %s at exit failed: %r", ctx.name, e)
+    _orphans.stop_all(signal.SIGTERM, EXIT_CLOSE_TIMEOUT)
 
 
 atexit.register(_close_live_contexts_at_exit)
 # A forked child has no contexts of its own to close at its exit: its
 # parent's are its parent's.
 os.register_at_fork(after_in_child=_live_contexts.clear)
+os.register_at_fork(after_in_child=_orphans.forget_after_fork)

@@ -46,6 +46,14 @@ def open_log(path: str) -> int:
     return fd
 
 
+def prepare_log(path: str) -> str:
+    """Create (or truncate) and check a worker's log file the way
+    :func:`open_log` does, without keeping it open: the native core opens
+    it again when the rank starts.  The absolute path."""
+    os.close(open_log(path))
+    return os.path.abspath(path)
+
+
 def ensure_fd_budget(needed: int, nprocs: int) -> None:
     """Raise the soft RLIMIT_NOFILE if a launch needs ``needed`` more fds, or
     fail with a clear error before anything starts (a launch that runs out of

@@ -1,0 +1,127 @@
+"""Contexts the program drops without wait() or close() (issue 23.5).
+
+A context pins its ranks' pids (their zombies) until close(); once the
+program can no longer reach it, nothing can signal through it, so its ranks
+are reaped at the next launch: 200 dropped contexts leave no zombies.  What
+a dropped context still runs is not touched by that launch and is stopped at
+interpreter exit the normal way (death signal first), as before.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import sys
+
+import pytest
+
+import torchmp
+from torchmp import DefaultLogsSpecs
+
+from helpers import Launchers, pid_alive, wait_gone
+
+def _children() -> dict[int, str]:
+    """This process's children and their states (from /proc)."""
+    found = {}
+    me = os.getpid()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me:
+            found[int(name)] = fields[0].decode()
+    return found
+
+
+def _return(value: int) -> int:
+    return value
+
+
+def _launch(kind: str, log_dir: str) -> torchmp.PContext:
+    specs = DefaultLogsSpecs(log_dir=log_dir)
+    if kind == "binary":
+        return torchmp.start_processes("drop", "true", args={0: (), 1: ()}, envs=None, logs_specs=specs)
+    # A function context holds a reference cycle (its workers' view): only
+    # the garbage collector finds it unreachable.
+    return torchmp.start_processes("drop", _return, args={0: (0,)}, envs=None, logs_specs=specs,
+                                   start_method="fork")
+
+
+@pytest.mark.parametrize("kind", ["binary", "fork"])
+def test_dropped_contexts_leave_no_zombies(tmp_path, kind):
+    pids: list[int] = []
+    for i in range(200):
+        ctx = _launch(kind, str(tmp_path / str(i)))
+        pids.extend(ctx.pids().values())
+        del ctx  # no wait(), no close()
+    try:
+        # Every rank has exited (a zombie, or already reaped).
+        assert wait_gone(pids, 20.0) == []
+        gc.collect()
+        last = _launch(kind, str(tmp_path / "last"))
+        result = last.wait()
+        last.close()
+        assert result is not None and not result.is_failed()
+        children = _children()
+        assert [pid for pid, state in children.items() if state == "Z"] == []
+        assert not any(pid in children for pid in pids)
+        assert [pid for pid in pids if pid_alive(pid)] == []
+    finally:
+        for pid in pids:
+            if pid_alive(pid):
+                os.kill(pid, 9)
+
+
+DROP_SCRIPT = """
+    import gc, os, sys, time
+    import torchmp
+    from torchmp import DefaultLogsSpecs
+
+    marks = sys.argv[1]
+    body = ('trap \\'echo term >> "%s/term"; kill $child 2>/dev/null; exit 0\\' TERM; '
+            'sleep 300 & child=$!; echo $child >> "%s/children"; wait') % (marks, marks)
+    ctx = torchmp.start_processes("dropped", "sh", args={0: ("-c", body), 1: ("-c", body)}, envs=None,
+                                  logs_specs=DefaultLogsSpecs(log_dir=marks + "/logs"))
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            if len(open(marks + "/children").read().split()) == 2:
+                break
+        except FileNotFoundError:
+            pass
+        time.sleep(0.01)
+    leaders = list(ctx.pids().values())
+    print(" ".join(str(p) for p in leaders), flush=True)
+    del ctx
+    gc.collect()
+    # The next launch reaps only what has exited: the dropped ranks still run.
+    other = torchmp.start_processes("other", "true", args={0: ()}, envs=None,
+                                    logs_specs=DefaultLogsSpecs(log_dir=marks + "/other"))
+    other.wait()
+    other.close()
+    with open("/proc/%d/stat" % leaders[0]) as f:
+        print("running" if f.read().rsplit(")", 1)[1].split()[0] not in "ZX" else "gone", flush=True)
+    # falls off the end: the dropped context's ranks are stopped at exit
+"""
+
+
+def test_dropped_context_still_running_is_stopped_at_exit(tmp_path):
+    with Launchers(trailing_pathsep=True) as launchers:
+        run = launchers.python(DROP_SCRIPT, str(tmp_path))
+        rc, out, err = run.communicate(60)
+        assert rc == 0, err
+        first, second = out.splitlines()
+        leaders = [int(x) for x in first.split()]
+        children = [int(x) for x in (tmp_path / "children").read_text().split()]
+        assert second == "running", err
+        # Every rank got the death signal (not a bare SIGKILL), and nothing
+        # of theirs is left.
+        assert (tmp_path / "term").read_text().split() == ["term", "term"], err
+        assert wait_gone(leaders + children, 1.0) == []
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
