@@ -17,7 +17,9 @@ from typing import Any, cast
 
 from torchmp import _console, _core, _oom, _orphans, _placement, _shutdown
 from torchmp._launch import Launch, adopt_interrupted
-from torchmp._launch.streams import NO_STREAM, RankStreams, ensure_fd_budget, open_log, prepare_log
+from torchmp._launch.streams import (
+    NO_STREAM, RankStreams, ensure_fd_budget, launch_fds_needed, open_log, prepare_log,
+)
 from torchmp._inputs import (
     DEFAULT_STDERR_TAIL_LINES, TAIL_BYTES_PER_LINE, check_filters, check_name, check_prefixes,
     normalize_args, normalize_envs,
@@ -179,25 +181,12 @@ class _NativeContext(PContext):
                                     log_path, backlog, tail, True)
         return _core.StreamSpec(_core.STREAM_FILE, -1, -1, None, False, log_path, open_log=True)
 
-    # Launcher fds per rank beyond its streams: the pidfd, plus what a
-    # subclass adds (return channel, spawn payload).
-    _fds_per_rank = 1
+    _fds_per_rank = 1  # launcher fds per rank: the pidfd, plus what a subclass adds
 
     def _fds_needed(self) -> int:
-        """The most fds this context holds at once while starting: per teed
-        stream the loop's pipe end and (with a file) the log it writes; none
-        for a redirected one (the core opens its log when the rank starts and
-        closes it once the worker has it); per rank _fds_per_rank; the few of
-        the rank being started, and the I/O thread's own: some slack."""
-        needed = 16
-        for which, paths, tees in ((0, self.stdouts, self._logs_dest.tee_stdouts),
-                                   (1, self.stderrs, self._logs_dest.tee_stderrs)):
-            for rank in range(self.nprocs):
-                if paths.get(rank):
-                    needed += 2 if rank in tees else 0
-                elif which == 1 and self.watch_stderr and self.stderr_tail:
-                    needed += 1
-        return needed + self._fds_per_rank * self.nprocs
+        return launch_fds_needed(self.stdouts, self.stderrs, self._logs_dest.tee_stdouts,
+                                 self._logs_dest.tee_stderrs, self.nprocs, self._fds_per_rank,
+                                 bool(self.watch_stderr and self.stderr_tail))
 
     def _ensure_fd_budget(self) -> None:
         ensure_fd_budget(self._fds_needed(), self.nprocs)

@@ -7,6 +7,7 @@ import errno
 import logging
 import os
 import stat
+from collections.abc import Container, Mapping
 
 from torchmp import _core
 
@@ -52,6 +53,25 @@ def prepare_log(path: str) -> str:
     it again when the rank starts.  The absolute path."""
     os.close(open_log(path))
     return os.path.abspath(path)
+
+
+def launch_fds_needed(stdouts: Mapping[int, str], stderrs: Mapping[int, str], tee_stdouts: Container[int],
+                      tee_stderrs: Container[int], nprocs: int, fds_per_rank: int, stderr_tail_pipe: bool) -> int:
+    """The most fds a context holds at once while starting: per teed stream
+    the loop's pipe end and (with a file) the log it writes; none for a
+    redirected one (the core opens its log when the rank starts and closes it
+    once the worker has it); a pipe for an unlogged stderr whose tail is kept
+    (``stderr_tail_pipe``); ``fds_per_rank`` per rank (the pidfd, plus what
+    the launch adds); the few of the rank being started, and the I/O thread's
+    own: some slack."""
+    needed = 16
+    for which, paths, tees in ((0, stdouts, tee_stdouts), (1, stderrs, tee_stderrs)):
+        for rank in range(nprocs):
+            if paths.get(rank):
+                needed += 2 if rank in tees else 0
+            elif which == 1 and stderr_tail_pipe:
+                needed += 1
+    return needed + fds_per_rank * nprocs
 
 
 def ensure_fd_budget(needed: int, nprocs: int) -> None:
