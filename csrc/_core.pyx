@@ -250,6 +250,7 @@ def loop_fd_count():
 
 include "specs.pxi"
 include "group.pxi"
+include "fork.pxi"
 include "process.pxi"
 
 
