@@ -14,7 +14,8 @@ import tempfile
 import time
 
 from bench import report, scenarios, subject
-from bench.common import REPO_ROOT, Ctx, git_info, machine_info, set_child_subreaper
+from bench.common import REPO_ROOT, Ctx, set_child_subreaper
+from bench.machine import git_info, machine_info
 from bench.impls import ALL_IMPLS, TORCH_MODULE, resolve, torchmp_module
 
 

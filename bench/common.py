@@ -1,4 +1,4 @@
-"""Shared helpers: clocks, results, interleaved trials, process hygiene, machine facts.
+"""Shared helpers: clocks, results, interleaved trials, process hygiene.
 
 Every process a benchmark starts carries ``BENCH_TAG=<run>-<trial>`` in its
 environment.  Cleanup finds leftovers by that tag (``/proc/*/environ``) and by the
@@ -13,7 +13,6 @@ import contextlib
 import ctypes
 import json
 import os
-import platform
 import select
 import shutil
 import signal
@@ -631,56 +630,3 @@ def stderr_tail(path: str, n: int = 600) -> str:
             return f.read().decode(errors="replace").strip()
     except OSError:
         return ""
-
-
-# --------------------------------------------------------------------------- machine facts
-
-
-def machine_info() -> dict[str, Any]:
-    cpu = None
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    mem = None
-    try:
-        with open("/proc/meminfo") as f:
-            mem = int(f.readline().split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        libc = " ".join(platform.libc_ver())
-    except Exception:  # noqa: BLE001
-        libc = None
-    import resource
-
-    return {
-        "nproc": os.cpu_count(),
-        "affinity": len(os.sched_getaffinity(0)),
-        "cpu_model": cpu,
-        "mem_total_bytes": mem,
-        "kernel": platform.release(),
-        "os": platform.platform(),
-        "libc": libc,
-        "python": platform.python_version(),
-        "python_impl": platform.python_implementation(),
-        "loadavg_at_start": os.getloadavg(),
-        "rlimit_nofile": resource.getrlimit(resource.RLIMIT_NOFILE),
-    }
-
-
-def git_info() -> dict[str, Any]:
-    def git(*a):
-        try:
-            return subprocess.run(
-                ["git", *a], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
-            ).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    return {"commit": git("rev-parse", "--verify", "-q", "HEAD") or None,
-            "dirty": bool(git("status", "--porcelain"))}
