@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import Launchers, pid_alive, read_pids, wait_gone
+from helpers import Launchers, pid_alive, read_pids, wait_gone
 from torchmp import _core
 
 pytestmark = [
