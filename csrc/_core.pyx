@@ -69,16 +69,35 @@ PORTABLE_BUILD = bool(TORCHMP_PORTABLE_BUILD)
 # Whether a worker can be bound to CPUs / memory nodes (Binding).
 HAVE_BINDING = bool(TORCHMP_BINDING_BUILD)
 
-STREAM_INHERIT = TORCHMP_STREAM_INHERIT
-STREAM_FILE = TORCHMP_STREAM_FILE
-STREAM_TEE = TORCHMP_STREAM_TEE
-STREAM_RETURN = TORCHMP_STREAM_RETURN  # the return channel's mode
+import enum as _enum
+
+
+class StreamMode(_enum.IntEnum):
+    """How a stream of a rank is wired (StreamSpec.mode)."""
+    INHERIT = TORCHMP_STREAM_INHERIT  # the launcher's own fd
+    FILE = TORCHMP_STREAM_FILE        # a log file, nothing in between
+    TEE = TORCHMP_STREAM_TEE          # a pipe the I/O thread copies to the log and a console
+    RETURN = TORCHMP_STREAM_RETURN    # the return channel of a function worker
+
+
+class ProcState(_enum.IntEnum):
+    """Where a rank is (ProcInfo.state, a plain int there: compare with these)."""
+    UNSTARTED = TORCHMP_PROC_UNSTARTED
+    RUNNING = TORCHMP_PROC_RUNNING
+    EXITED = TORCHMP_PROC_EXITED
+
+
+StreamMode.__module__ = ProcState.__module__ = __name__
+STREAM_INHERIT = StreamMode.INHERIT
+STREAM_FILE = StreamMode.FILE
+STREAM_TEE = StreamMode.TEE
+STREAM_RETURN = StreamMode.RETURN
 FD_RETURN = TORCHMP_FD_RETURN  # the worker's fd of its return channel
 FD_PAYLOAD = TORCHMP_FD_PAYLOAD
 
-PROC_UNSTARTED = TORCHMP_PROC_UNSTARTED
-PROC_RUNNING = TORCHMP_PROC_RUNNING
-PROC_EXITED = TORCHMP_PROC_EXITED
+PROC_UNSTARTED = ProcState.UNSTARTED
+PROC_RUNNING = ProcState.RUNNING
+PROC_EXITED = ProcState.EXITED
 
 STEP_EXEC = TORCHMP_STEP_EXEC
 STEP_AFFINITY = TORCHMP_STEP_AFFINITY
@@ -208,13 +227,13 @@ def backend():
 
 
 def collect_exit(pid_t pid):
-    """If child pid has exited: (wait status, user ns, system ns, max RSS
-    KiB), leaving the zombie in place (waitid WNOWAIT); None if it runs."""
+    """If child pid has exited: its ExitRecord, leaving the zombie in place
+    (waitid WNOWAIT); None if it runs."""
     cdef int status = 0
     cdef int64_t ut = 0, st = 0, rss = 0
     cdef int r = torchmp_collect_exit(pid, &status, &ut, &st, &rss)
     check(r, b"waitid")
-    return (status, ut, st, rss) if r else None
+    return ExitRecord(status, ut, st, rss) if r else None
 
 
 def keeper_pid():
@@ -241,11 +260,6 @@ _os.register_at_fork(after_in_child=_forget_keeper_after_fork)
 def open_fd_count():
     """How many fds this process has open (OSError where /proc cannot say)."""
     return check(torchmp_open_fd_count(), b"counting /proc/self/fd")
-
-
-def loop_fd_count():
-    """How many fds the I/O thread holds (its own plus every watched one)."""
-    return check(torchmp_loop_fd_count(), b"starting the torchmp I/O thread")
 
 
 include "specs.pxi"
@@ -276,6 +290,23 @@ ProcInfo = _collections.namedtuple("ProcInfo", [
     "status_lost",    # another process reaped it, or its forkserver died
 ])
 ProcInfo.__module__ = __name__
+
+# The small records the core's calls return, named for the same reason.
+ExitRecord = _collections.namedtuple("ExitRecord", [  # collect_exit
+    "wait_status", "utime_ns", "stime_ns", "maxrss_kb"])
+StreamState = _collections.namedtuple("StreamState", [  # Group.stream_state, per rank
+    "stdout_open", "stderr_open",        # whether each teed pipe is still drained
+    "stdout_last_ns", "stderr_last_ns",  # CLOCK_MONOTONIC of its last bytes (0: none yet)
+])
+WorkerFds = _collections.namedtuple("WorkerFds", [  # Group.prepare, per rank; -1: none
+    "stdout", "stderr", "return_channel"])
+Forked = _collections.namedtuple("Forked", [  # Group.fork_rank
+    "pid",        # the worker's pid in the parent, 0 in the worker
+    "return_fd",  # the worker's return channel in the worker, -1 in the parent
+])
+for _record in (ExitRecord, StreamState, WorkerFds, Forked):
+    _record.__module__ = __name__
+del _record
 
 # What Group.spawn and Group.prepare take: how one stream of a rank is wired
 # (stdout, stderr or the return channel), and one rank to exec.  Named

@@ -80,7 +80,7 @@ cdef object group_fork_rank(Group self, int rank, bint pdeathsig, tuple default_
         ends[TORCHMP_FD_RETURN] = -1
         torchmp_rank_close_worker_fds(spec, ends)
         self.owner_pid = -1  # this group belongs to the parent
-        return 0, return_fd
+        return Forked(0, return_fd)
     if pid > 0:
         # Before anything that could run Python code: from here on an
         # interrupted launch knows this worker (adopt_forked).
@@ -91,4 +91,4 @@ cdef object group_fork_rank(Group self, int rank, bint pdeathsig, tuple default_
     if pid < 0:
         raise OSError(saved, f"fork: {strerror(saved).decode()}")
     self._close_worker_fds(rank)
-    return pid, -1
+    return Forked(pid, -1)

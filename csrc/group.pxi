@@ -193,8 +193,8 @@ cdef class Group:
         """Open the streams of ranks 0..len(specs)-1 for workers started
         outside the I/O thread (fork_rank, a forkserver), in one round trip.
 
-        Each spec is (out, err, return_channel), three StreamSpecs.  Returns each rank's worker-side fds
-        (stdout, stderr, return channel; -1 for none).  The pipe ends among
+        Each spec is (out, err, return_channel), three StreamSpecs.  Returns
+        each rank's worker-side fds, a WorkerFds (-1 for none).  The pipe ends among
         them stay open here until fork_rank forks the rank or
         close_worker_fds(rank) is called; FILE targets are the caller's own
         fds, returned as given.
@@ -244,8 +244,8 @@ cdef class Group:
             self.staged[i].out.prefix = NULL
             self.staged[i].err.prefix = NULL
             self.staged[i].return_channel.prefix = NULL
-        return [(self.staged[i].args.child_fds[1], self.staged[i].args.child_fds[2],
-                 self.staged[i].args.child_fds[3]) for i in range(count)]
+        return [WorkerFds(self.staged[i].args.child_fds[1], self.staged[i].args.child_fds[2],
+                          self.staged[i].args.child_fds[3]) for i in range(count)]
 
     def close_worker_fds(self, int rank):
         """Close the pipe ends prepare() returned for rank (once its worker
@@ -258,8 +258,8 @@ cdef class Group:
         """fork() the calling (Python) thread for rank (after prepare),
         through CPython's before/after-fork hooks.
 
-        Returns (0, return_fd) in the child -- whose stdout/stderr are already
-        redirected, in its own session -- and (pid, -1) in the parent, which
+        Returns Forked(0, return_fd) in the child -- whose stdout/stderr are already
+        redirected, in its own session -- and Forked(pid, -1) in the parent, which
         must then adopt() the pid.  pdeathsig: arm PR_SET_PDEATHSIG (it fires
         when the *forking thread* exits, so only ask for it from a thread
         that outlives the workers).  default_signals: the launcher's handled
@@ -435,9 +435,8 @@ cdef class Group:
         return version, ranks
 
     def stream_state(self):
-        """[(stdout_open, stderr_open, stdout_last_ns, stderr_last_ns)] per
-        rank: whether each teed pipe is still drained, and the
-        CLOCK_MONOTONIC time its last bytes came (0: none yet)."""
+        """[StreamState] per rank: whether each teed pipe is still drained,
+        and the CLOCK_MONOTONIC time its last bytes came (0: none yet)."""
         cdef torchmp_stream_state *st
         cdef int i
         if self.g == NULL:
@@ -447,7 +446,8 @@ cdef class Group:
             raise MemoryError()
         try:
             torchmp_group_stream_state(self.g, st, self.nprocs)
-            return [(bool(st[i].open[0]), bool(st[i].open[1]), st[i].last_data_ns[0], st[i].last_data_ns[1])
+            return [StreamState(bool(st[i].open[0]), bool(st[i].open[1]), st[i].last_data_ns[0],
+                                st[i].last_data_ns[1])
                     for i in range(self.nprocs)]
         finally:
             free(st)

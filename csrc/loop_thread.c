@@ -409,25 +409,6 @@ int torchmp_loop_backend(void)
     return L == NULL ? -1 : L->backend;
 }
 
-int torchmp_loop_fd_count(void)
-{
-    torchmp_loop *L = torchmp_loop_get();
-    if (L == NULL)
-        return -1;
-    /* The fds in the poller (the exits set's epoll fd and consoles waiting
-     * to write among them), the pidfds in the exits set, the poller's own
-     * epoll fd, the consoles not in the poller. */
-    int n = torchmp_poller_fd_count(L->poller) + (L->exits != NULL ? torchmp_poller_fd_count(L->exits) : 0) +
-            (L->backend == TORCHMP_BACKEND_EPOLL ? 1 : 0) + (L->wake_w != L->wake_r ? 1 : 0);
-    pthread_mutex_lock(&L->mu);
-    for (console_entry *e = L->consoles; e != NULL; e = e->next) {
-        if (e->watched != 1 && torchmp_console_fd(e->console) >= 0)
-            n++;
-    }
-    pthread_mutex_unlock(&L->mu);
-    return n;
-}
-
 /* The launcher's consoles (not Python's queues) of what fd refers to (all
  * if fd < 0): bytes waiting, or bytes taken so far. */
 static uint64_t consoles_sum(int fd, int shown)

@@ -575,9 +575,6 @@ void torchmp_group_release(torchmp_group *g);
 /* Whether this process has its I/O thread (started by its first group). */
 int torchmp_loop_exists(void);
 
-/* Number of fds the loop holds (for tests of the fd budget). */
-int torchmp_loop_fd_count(void);
-
 /* Bytes still waiting for the launcher's fd 1 / fd 2 consoles, held-back
  * ones included (plus one per console whose marker lines are due): 0 once
  * every console caught up; and the bytes they took so far (their progress).

@@ -15,6 +15,7 @@ the conftest fixtures read) it runs with ``--noconftest``.
 from __future__ import annotations
 
 import ast
+import enum
 import importlib.metadata
 import inspect
 import os
@@ -127,8 +128,10 @@ def test_stub_constants_have_the_runtime_types() -> None:
             continue
         annotation = ast.unparse(node.annotation)
         match = re.fullmatch(r"(?:Final\[)?(\w+)\]?", annotation)
-        assert match and match.group(1) in kinds, f"{name}: unexpected annotation {annotation}"
-        assert type(getattr(_core, name)) is kinds[match.group(1)], name
+        assert match, f"{name}: unexpected annotation {annotation}"
+        kind = kinds.get(match.group(1)) or getattr(_core, match.group(1), None)
+        assert isinstance(kind, type), f"{name}: unexpected annotation {annotation}"
+        assert type(getattr(_core, name)) is kind, name
 
 
 def test_stub_function_signatures_match_the_core() -> None:
@@ -149,6 +152,11 @@ def test_stub_classes_match_the_core() -> None:
             # a record of the boundary: the same fields, in the same order
             fields = [n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)]
             assert issubclass(runtime, tuple) and list(runtime._fields) == fields, cls.name
+            continue
+        if [ast.unparse(b) for b in cls.bases] == ["IntEnum"]:
+            # modes and states: the same members, in the same order
+            names = [t.id for n in cls.body if isinstance(n, ast.Assign) for t in n.targets]
+            assert issubclass(runtime, enum.IntEnum) and list(runtime.__members__) == names, cls.name
             continue
         assert [ast.unparse(b) for b in cls.bases] == [b.__name__ for b in runtime.__bases__
                                                        if b is not object], cls.name

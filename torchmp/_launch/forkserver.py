@@ -330,7 +330,7 @@ def server_main() -> None:
             try:
                 exited = _core.collect_exit(pid)
             except ChildProcessError:
-                exited = (255 << 8, 0, 0, 0)
+                exited = _core.ExitRecord(255 << 8, 0, 0, 0)
             if exited is None:
                 continue
             fd = ret_fds.pop(pid)
@@ -340,7 +340,7 @@ def server_main() -> None:
                 # No rusage without reaping here: reap now (the pid is then
                 # no longer pinned on such systems).
                 _, status, ru = os.wait4(pid, 0)
-                exited = (status, int(ru.ru_utime * 1e9), int(ru.ru_stime * 1e9), ru.ru_maxrss)
+                exited = _core.ExitRecord(status, int(ru.ru_utime * 1e9), int(ru.ru_stime * 1e9), ru.ru_maxrss)
             try:
                 _worker.write_all(fd, _trailer(*exited))
             except OSError:
