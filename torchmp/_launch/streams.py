@@ -86,8 +86,9 @@ def ensure_fd_budget(needed: int, nprocs: int) -> None:
             in_use = _core.open_fd_count()
         except OSError:
             # The portable build counts no /proc/self/fd in C; /dev/fd lists
-            # the same on Linux and macOS (and one more: the listing's own).
-            in_use = len(os.listdir("/dev/fd"))
+            # the same on Linux and macOS, and one more: the listing's own,
+            # closed again by now.
+            in_use = len(os.listdir("/dev/fd")) - 1
     except (ImportError, OSError):
         return
     needed += in_use
