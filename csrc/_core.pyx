@@ -242,12 +242,6 @@ def keeper_pid():
     return torchmp_keeper_pid()
 
 
-def keeper_drops_memory():
-    """Whether this process's keeper lets go of the memory it inherits from
-    this process at the fork (not in sanitizer, coverage or valgrind runs)."""
-    return bool(torchmp_keeper_drops_memory())
-
-
 def _forget_keeper_after_fork():
     # A forked child must not hold its parent's keeper pipe open: the keeper
     # would miss the parent's death for as long as the child lives.

@@ -200,7 +200,6 @@ cdef extern from "torchmp.h" nogil:
     int torchmp_keeper_start()
     void torchmp_keeper_forget()
     pid_t torchmp_keeper_pid()
-    int torchmp_keeper_drops_memory()
     int torchmp_pgroups_alive(const pid_t *pgids, int n, unsigned char *alive)
     int torchmp_group_finish_streams(torchmp_group *g)
     void torchmp_group_release(torchmp_group *g)

@@ -31,8 +31,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
-#include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
@@ -70,143 +68,12 @@ static void keeper_close_from(int lowfd, int keep)
     }
 }
 
-/* ---- letting go of the launcher's memory -------------------------------
- *
- * A forked keeper starts with a copy-on-write view of the whole launcher.
- * Kept, that view made every page the launcher wrote afterwards a page
- * copy (about 3 ms of the launcher's CPU in its first launch) and left the
- * keeper holding the old copy: a launcher that rewrote a 200 MB heap got a
- * keeper of 200 MB.  The keeper needs none of it but its own stack, its
- * thread's TLS and descriptor, the shared table and what is mapped from
- * files (code, data), so it drops its private anonymous memory
- * (MADV_DONTNEED: those pages then belong to the launcher alone, and a
- * later write there is no copy).  Left alone, to be safe: the mappings
- * holding this stack, errno (the TLS block) and the table, the main stack,
- * and an anonymous mapping right after a library's writable data (its
- * .bss, e.g. this file's statics).  Sanitizer and coverage builds skip it,
- * and so does a launcher under valgrind (seen by its preload): their
- * runtimes keep state in anonymous memory the keeper still uses.  So does
- * the portable build (no /proc). */
-#if defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define KEEPER_UNDER_ASAN 1
-#endif
-#endif
-#if defined(__linux__) && !defined(TORCHMP_PORTABLE) && defined(MADV_DONTNEED) && \
-    !defined(TORCHMP_COVERAGE) && !defined(__SANITIZE_ADDRESS__) && !defined(KEEPER_UNDER_ASAN)
-#define KEEPER_DROPS_MEMORY 1
-#endif
-
-#ifdef KEEPER_DROPS_MEMORY
-static const char *parse_hex(const char *p, uintptr_t *out)
-{
-    uintptr_t v = 0;
-    int digits = 0;
-    for (;; p++, digits++) {
-        char c = *p;
-        if (c >= '0' && c <= '9')
-            v = (v << 4) | (uintptr_t)(c - '0');
-        else if (c >= 'a' && c <= 'f')
-            v = (v << 4) | (uintptr_t)(c - 'a' + 10);
-        else
-            break;
-    }
-    *out = v;
-    return digits > 0 ? p : NULL;
-}
-
-static const char *skip_field(const char *p)
-{
-    while (*p != '\0' && *p != ' ')
-        p++;
-    while (*p == ' ')
-        p++;
-    return p;
-}
-
-struct keeper_maps_state {
-    uintptr_t keep[3];        /* addresses whose mappings stay */
-    uintptr_t last_file_end;  /* end of the last file-backed mapping */
-};
-
-/* One line of /proc/self/maps: "start-end perms offset dev inode [path]". */
-static void keeper_drop_line(const char *line, struct keeper_maps_state *st)
-{
-    uintptr_t start, end, inode;
-    const char *p = parse_hex(line, &start), *perms, *path;
-    int file_backed, follows_file;
-    if (p == NULL || *p != '-' || (p = parse_hex(p + 1, &end)) == NULL || *p != ' ')
-        return;
-    perms = p + 1;
-    p = skip_field(perms);       /* perms */
-    p = skip_field(p);           /* offset */
-    p = skip_field(p);           /* dev */
-    inode = 0;
-    while (*p >= '0' && *p <= '9')
-        inode = inode * 10 + (uintptr_t)(*p++ - '0');
-    while (*p == ' ')
-        p++;
-    path = p;
-    file_backed = inode != 0 || (path[0] != '\0' && path[0] != '[');
-    follows_file = st->last_file_end == start;
-    if (file_backed) {
-        /* A library's writable data: its .bss may go on in the anonymous
-         * mapping right after it. */
-        st->last_file_end = perms[1] == 'w' && perms[3] == 'p' ? end : 0;
-        return;
-    }
-    st->last_file_end = 0;
-    if (perms[0] != 'r' || perms[1] != 'w' || perms[3] != 'p' || follows_file)
-        return;
-    if (path[0] != '\0' && strcmp(path, "[heap]") != 0)
-        return;                  /* [stack], [vdso], named regions: left alone */
-    for (int i = 0; i < 3; i++) {
-        if (st->keep[i] >= start && st->keep[i] < end)
-            return;
-    }
-    (void)madvise((void *)start, end - start, MADV_DONTNEED);
-}
-
-static void keeper_drop_inherited_memory(const int32_t *table)
-{
-    char buf[2048], line[256];
-    size_t used = 0;
-    struct keeper_maps_state st;
-    int fd;
-    st.keep[0] = (uintptr_t)&buf;
-    st.keep[1] = (uintptr_t)&errno;
-    st.keep[2] = (uintptr_t)table;
-    st.last_file_end = 0;
-    fd = open("/proc/self/maps", O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return;
-    for (;;) {
-        ssize_t n = read(fd, buf, sizeof(buf));
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n <= 0)
-            break;
-        for (ssize_t i = 0; i < n; i++) {
-            if (buf[i] == '\n') {
-                line[used] = '\0';
-                keeper_drop_line(line, &st);
-                used = 0;
-            } else if (used < sizeof(line) - 1) {
-                line[used++] = buf[i]; /* a longer path is cut: only its start matters */
-            }
-        }
-    }
-    (void)close(fd);
-}
-#endif
-
 /* The keeper's whole life.  Async-signal-safe calls only. */
-static void keeper_main(int read_fd, int drop_memory)
+static void keeper_main(int read_fd)
 {
     char buf[64];
     sigset_t none;
     struct sigaction ign;
-    int32_t *table = keeper_table; /* a local: the statics' page may be dropped */
 
     memset(&ign, 0, sizeof(ign));
     ign.sa_handler = SIG_IGN;
@@ -224,12 +91,6 @@ static void keeper_main(int read_fd, int drop_memory)
 #endif
     (void)chdir("/");
     keeper_close_from(0, read_fd);
-#ifdef KEEPER_DROPS_MEMORY
-    if (drop_memory)
-        keeper_drop_inherited_memory(table);
-#else
-    (void)drop_memory;
-#endif
 
     for (;;) {
         ssize_t n = read(read_fd, buf, sizeof(buf));
@@ -239,7 +100,7 @@ static void keeper_main(int read_fd, int drop_memory)
             break;
     }
     for (int i = 1; i < KEEPER_SLOTS; i++) {
-        int32_t pgid = __atomic_load_n(&table[i], __ATOMIC_ACQUIRE);
+        int32_t pgid = __atomic_load_n(&keeper_table[i], __ATOMIC_ACQUIRE);
         if (pgid > 1)
             (void)kill(-pgid, SIGKILL);
     }
@@ -249,7 +110,6 @@ static void keeper_main(int read_fd, int drop_memory)
 
 int torchmp_keeper_start(void)
 {
-    int drop_memory = 0;
     int p[2];
     pid_t child;
     int status;
@@ -271,7 +131,6 @@ int torchmp_keeper_start(void)
         errno = saved;
         return -1;
     }
-    drop_memory = torchmp_keeper_drops_memory();
     child = fork();
     if (child < 0) {
         int saved = errno;
@@ -287,7 +146,7 @@ int torchmp_keeper_start(void)
         keeper = fork();
         if (keeper == 0) {
             keeper_table = table;
-            keeper_main(p[0], drop_memory);
+            keeper_main(p[0]);
         }
         __atomic_store_n(&table[0], keeper > 0 ? (int32_t)keeper : -1, __ATOMIC_RELEASE);
         _exit(keeper > 0 ? 0 : 1);
@@ -322,16 +181,6 @@ void torchmp_keeper_forget(void)
         keeper_write_fd = -1;
         keeper_table = NULL;
     }
-}
-
-int torchmp_keeper_drops_memory(void)
-{
-#ifdef KEEPER_DROPS_MEMORY
-    const char *preload = getenv("LD_PRELOAD");
-    return preload == NULL || strstr(preload, "vgpreload") == NULL;
-#else
-    return 0;
-#endif
 }
 
 pid_t torchmp_keeper_pid(void)

@@ -595,7 +595,6 @@ int torchmp_say(torchmp_console *queue, int fd, const char *data, size_t len);
 int torchmp_keeper_start(void);          /* once per process; 0 or -1 with errno */
 void torchmp_keeper_forget(void);        /* in a forked child: let go of the parent's keeper */
 pid_t torchmp_keeper_pid(void);          /* 0 if none */
-int torchmp_keeper_drops_memory(void);   /* whether this build's keeper lets go of the launcher's memory */
 int torchmp_keeper_add(pid_t pgid);      /* a slot (0: not covered); any thread */
 void torchmp_keeper_remove(int slot);
 
