@@ -424,10 +424,14 @@ def test_a_command_that_cannot_start_leaves_nothing(tmp_path):
 def test_run_loops_do_not_grow_fds():
     for _ in range(20):
         torchmp.run(["echo", "x"], capture_output=True)
-    fds = len(os.listdir("/proc/self/fd"))
+    fds = set(os.listdir("/proc/self/fd"))
     for _ in range(100):
         torchmp.run(["echo", "x"], capture_output=True, input=b"y")
-    assert len(os.listdir("/proc/self/fd")) == fds
+    # No fd the loop opened is left, and there are no more than before.  (An
+    # fd of an earlier test's object may be closed meanwhile, by the garbage
+    # collector or a dropped context's reaping: seen once in CI, 18 -> 17.)
+    after = set(os.listdir("/proc/self/fd"))
+    assert after - fds == set() and len(after) <= len(fds)
 
 
 def test_the_command_is_in_a_session_of_its_own():
