@@ -451,7 +451,10 @@ class _NativeContext(PContext):
                 return
             group = self._group
             try:
-                killed = _shutdown.run_blocking(self._stop_steps(group, death_sig, timeout), group.wait)
+                if self._nothing_to_stop(group):
+                    killed = False  # what the policy concludes, without building it
+                else:
+                    killed = _shutdown.run_blocking(self._stop_steps(group, death_sig, timeout), group.wait)
                 self._after_stop(group, killed)
             except ValueError:
                 # A signal handler on this thread closed the context while
@@ -477,6 +480,18 @@ class _NativeContext(PContext):
                     raise
         finally:
             self._close_lock.release()
+
+    def _nothing_to_stop(self, group: _core.Group) -> bool:
+        """Whether every rank exited and left nothing in its process group:
+        the common close() (the one wait() makes once all ranks are done)
+        then signals nobody, and the policy's machinery is skipped -- it is
+        on the path from the last exit to wait()'s return."""
+        adopt_interrupted(group)
+        ranks = group.snapshot()[1]
+        if any(info.state == _core.PROC_RUNNING for info in ranks) or group.busy():
+            return False
+        self._oom_suspects = self._oom_watch is not None and self._unsent_sigkills(ranks)
+        return True
 
     def _stop_steps(self, group: _core.Group, death_sig: signal.Signals,
                     timeout: float) -> Generator[_shutdown.Wait, None, bool]:
