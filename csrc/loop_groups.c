@@ -61,8 +61,10 @@ static int rank_streams_open(torchmp_loop *L, torchmp_proc *p, const torchmp_ran
     return 0;
 }
 
+/* Start one rank: its streams, the spawn, the watch.  here: in the calling
+ * thread (torchmp_group_spawn), not the loop thread. */
 static int do_spawn_one(torchmp_loop *L, torchmp_group *g, int rank, torchmp_rank_spec *spec,
-                        torchmp_spawn_error *err)
+                        torchmp_spawn_error *err, int here)
 {
     torchmp_proc *p = &g->procs[rank];
     torchmp_spawn_args a = spec->args;
@@ -93,6 +95,17 @@ static int do_spawn_one(torchmp_loop *L, torchmp_group *g, int rank, torchmp_ran
         torchmp_loop_rank_streams_abort(L, p);
         return -1;
     }
+#ifdef TORCHMP_HAVE_PIDFD
+    if (here) {
+        if (torchmp_loop_rank_adopt_here(L, p, pid, start, err) != 0) {
+            torchmp_loop_rank_streams_abort(L, p);
+            return -1;
+        }
+        return 0;
+    }
+#else
+    (void)here;
+#endif
     return torchmp_loop_rank_adopt(L, p, pid, 0, start, err);
 }
 
@@ -112,7 +125,7 @@ int torchmp_loop_do_spawn(torchmp_loop *L, command *c)
     torchmp_signals_to_reset(&reset);
     for (int i = 0; i < c->count; i++) {
         c->specs[i].args.reset_signals = reset;
-        if (do_spawn_one(L, c->group, i, &c->specs[i], &c->err) != 0)
+        if (do_spawn_one(L, c->group, i, &c->specs[i], &c->err, 0) != 0)
             return i;
     }
     return c->count;
@@ -208,6 +221,21 @@ void torchmp_loop_collect_groups(torchmp_loop *L)
             link = &g->next;
         }
     }
+}
+
+/* A released group that never went through the loop thread: spawned by
+ * the caller's thread (torchmp_group_spawn), it joins L->groups now and is
+ * freed with the others once its exits are recorded; never spawned, there is
+ * nothing to watch. */
+void torchmp_loop_group_release_unlinked(torchmp_loop *L, torchmp_group *g)
+{
+    for (int i = 0; i < g->nprocs; i++) {
+        if (g->procs[i].info.state != TORCHMP_PROC_UNSTARTED) {
+            group_link(L, g);
+            return;
+        }
+    }
+    torchmp_loop_group_free(g);
 }
 
 /* Open the streams of ranks [0, count) for workers forked outside the loop.
@@ -369,8 +397,80 @@ static int ranks_command(torchmp_group *g, int type, torchmp_rank_spec *specs, i
     return c.result;
 }
 
+/* Whether ranks [0, count) can be spawned in the calling thread rather than
+ * handed to the loop thread: a round trip between two threads costs two
+ * wake-ups, each a cross-CPU one when the loop thread sleeps on another CPU
+ * (on a VM: an idle virtual CPU to wake), and that is most of a small
+ * launch.  Only where nothing of the loop's is touched but what is safe from
+ * another thread: epoll's exits set (epoll_ctl), the rank's state under mu,
+ * the keeper's table (lock-free).  So: the epoll backend (a pidfd per rank),
+ * no stream the loop drains (tee pipes, return channels: loop-owned), and
+ * the process's main thread -- PR_SET_PDEATHSIG fires when the spawning
+ * *thread* exits, and only the main thread lives as long as the process
+ * (the loop thread does too: the other callers go through it). */
+static int spawn_here_ok(torchmp_group *g, const torchmp_rank_spec *specs, int count)
+{
+#ifdef TORCHMP_HAVE_PIDFD
+    if (g->loop->backend != TORCHMP_BACKEND_EPOLL || syscall(SYS_gettid) != getpid())
+        return 0;
+    for (int i = 0; i < count; i++) {
+        for (int w = 0; w < STREAM_COUNT; w++) {
+            int mode = rank_stream_spec(&specs[i], w)->mode;
+            if (mode == TORCHMP_STREAM_TEE || mode == TORCHMP_STREAM_RETURN)
+                return 0;
+        }
+    }
+    return 1;
+#else
+    (void)g;
+    (void)specs;
+    (void)count;
+    return 0;
+#endif
+}
+
+/* The loop thread's torchmp_loop_do_spawn, run by the caller.  Every signal
+ * is held across each spawn: a vfork child shares this thread's memory, and
+ * a handler (Python's among them) must not run in it before exec. */
+static int spawn_here(torchmp_group *g, torchmp_rank_spec *specs, int count, torchmp_spawn_error *err)
+{
+    sigset_t reset, all, old;
+    int i;
+
+    torchmp_signals_to_reset(&reset);
+    sigfillset(&all);
+    for (i = 0; i < count; i++) {
+        int rc;
+        specs[i].args.reset_signals = reset;
+        if (pthread_sigmask(SIG_SETMASK, &all, &old) != 0) {
+            err->step = TORCHMP_STEP_SIGNALS;
+            err->errnum = errno;
+            break;
+        }
+        rc = do_spawn_one(g->loop, g, i, &specs[i], err, 1);
+        {
+            int saved = errno;
+            (void)pthread_sigmask(SIG_SETMASK, &old, NULL);
+            errno = saved;
+        }
+        if (rc != 0)
+            break;
+    }
+    return i;
+}
+
 int torchmp_group_spawn(torchmp_group *g, torchmp_rank_spec *specs, int count, torchmp_spawn_error *err)
 {
+    if (torchmp_loop_group_is_ours(g) && count >= 0 && count <= g->nprocs && spawn_here_ok(g, specs, count)) {
+        for (int i = 0; i < count; i++) {
+            if (g->procs[i].info.state != TORCHMP_PROC_UNSTARTED) {
+                errno = EBUSY;
+                return -1;
+            }
+        }
+        note_pipes(g, specs, count);
+        return spawn_here(g, specs, count, err);
+    }
     return ranks_command(g, CMD_SPAWN, specs, count, err);
 }
 

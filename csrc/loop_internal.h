@@ -205,9 +205,9 @@ struct torchmp_group {
     int has_pipes;             /* caller thread: some stream is a pipe the loop drains */
     uint64_t version;          /* mu */
     int released;              /* loop thread */
-    int running;               /* loop thread */
+    int running;               /* atomic: loop thread, and a caller-thread spawn */
     int open_streams;          /* loop thread */
-    int linked;                /* loop thread: on L->groups */
+    int linked;                /* loop thread: on L->groups (a caller-thread spawn's group: at release) */
     torchmp_group *next;
 };
 
@@ -407,6 +407,10 @@ int torchmp_loop_consoles_poll(torchmp_loop *L);
 
 int torchmp_loop_rank_adopt(torchmp_loop *L, torchmp_proc *p, pid_t pid, int by_forkserver, int64_t start,
                             torchmp_spawn_error *err);
+#ifdef TORCHMP_HAVE_PIDFD
+int torchmp_loop_rank_adopt_here(torchmp_loop *L, torchmp_proc *p, pid_t pid, int64_t start,
+                                 torchmp_spawn_error *err);
+#endif
 void torchmp_loop_proc_exit_event(torchmp_loop *L, torchmp_proc *p);
 void torchmp_loop_proc_forkserver_exit(torchmp_loop *L, torchmp_proc *p, int at_eof);
 void torchmp_loop_reap_scan(torchmp_loop *L);
@@ -447,6 +451,7 @@ int torchmp_loop_do_adopt(torchmp_loop *L, command *c);
 void torchmp_loop_do_finish(torchmp_loop *L, torchmp_group *g);
 void torchmp_loop_rank_streams_abort(torchmp_loop *L, torchmp_proc *p);
 void torchmp_loop_group_free(torchmp_group *g);
+void torchmp_loop_group_release_unlinked(torchmp_loop *L, torchmp_group *g);
 void torchmp_loop_collect_groups(torchmp_loop *L);
 int torchmp_loop_group_is_ours(torchmp_group *g);
 

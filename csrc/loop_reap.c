@@ -70,7 +70,8 @@ static void proc_record_exit(torchmp_loop *L, torchmp_proc *p, int status, int64
     p->group->version++;
     group_notify_locked(p->group);
     pthread_mutex_unlock(&L->mu);
-    p->group->running--;
+    /* (atomic: a caller-thread spawn counts its ranks in as they start) */
+    __atomic_sub_fetch(&p->group->running, 1, __ATOMIC_ACQ_REL);
     p->exiting = 0;
 }
 
@@ -267,7 +268,7 @@ int torchmp_loop_rank_adopt(torchmp_loop *L, torchmp_proc *p, pid_t pid, int by_
     p->info.start_mono_ns = start;
     p->keeper_slot = torchmp_keeper_add(pid);
     pthread_mutex_unlock(&L->mu);
-    p->group->running++;
+    __atomic_add_fetch(&p->group->running, 1, __ATOMIC_ACQ_REL);
     if (by_forkserver) {
         /* The worker may have run to completion before we got here: its
          * trailer (or even its channel's EOF) may be in already. */
@@ -275,6 +276,50 @@ int torchmp_loop_rank_adopt(torchmp_loop *L, torchmp_proc *p, pid_t pid, int by_
     }
     return 0;
 }
+
+#ifdef TORCHMP_HAVE_PIDFD
+/* torchmp_loop_rank_adopt for a rank spawned in the calling thread
+ * (torchmp_group_spawn): the rank is RUNNING before its pidfd joins the exits
+ * set, so the loop thread never sees an exit event for a rank it does not
+ * know is running.  If it cannot be watched, it is killed and reaped here and
+ * stays unstarted. */
+int torchmp_loop_rank_adopt_here(torchmp_loop *L, torchmp_proc *p, pid_t pid, int64_t start,
+                                 torchmp_spawn_error *err)
+{
+    int status;
+    int pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
+
+    if (pidfd >= 0) {
+        p->pidfd = pidfd;
+        pthread_mutex_lock(&L->mu);
+        p->info.pid = pid;
+        p->info.state = TORCHMP_PROC_RUNNING;
+        p->info.start_mono_ns = start;
+        p->keeper_slot = torchmp_keeper_add(pid);
+        pthread_mutex_unlock(&L->mu);
+        __atomic_add_fetch(&p->group->running, 1, __ATOMIC_ACQ_REL);
+        if (torchmp_poller_add(L->exits, pidfd, p) == 0)
+            return 0;
+        err->errnum = errno;
+        pthread_mutex_lock(&L->mu);
+        torchmp_keeper_remove(p->keeper_slot);
+        p->keeper_slot = 0;
+        p->info.state = TORCHMP_PROC_UNSTARTED;
+        p->info.pid = 0;
+        pthread_mutex_unlock(&L->mu);
+        __atomic_sub_fetch(&p->group->running, 1, __ATOMIC_ACQ_REL);
+        close_fd(&p->pidfd);
+    } else {
+        err->errnum = errno;
+    }
+    err->step = TORCHMP_STEP_PIDFD;
+    kill(pid, SIGKILL);
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
+        ;
+    errno = err->errnum;
+    return -1;
+}
+#endif
 
 /* A worker's pidfd fired. */
 void torchmp_loop_proc_exit_event(torchmp_loop *L, torchmp_proc *p)

@@ -198,7 +198,7 @@ static void run_commands(torchmp_loop *L)
             }
             pthread_mutex_unlock(&L->mu);
             if (!c->group->linked)
-                torchmp_loop_group_free(c->group); /* never spawned: nothing to watch */
+                torchmp_loop_group_release_unlinked(L, c->group);
             free(c);
             continue; /* nobody waits for a release */
         }

@@ -89,7 +89,9 @@ static int poller_add(torchmp_poller *p, int fd, void *ptr, int writable)
         ev.data.ptr = ptr;
         if (epoll_ctl(p->epfd, EPOLL_CTL_ADD, fd, &ev) != 0)
             return -1;
-        p->count++;
+        /* (atomic: the exits set gains ranks from a spawning caller thread
+         * while the loop thread removes the ones that exited) */
+        __atomic_add_fetch(&p->count, 1, __ATOMIC_RELAXED);
         return 0;
     }
 #endif
@@ -138,7 +140,7 @@ int torchmp_poller_del(torchmp_poller *p, int fd)
         memset(&ev, 0, sizeof(ev));
         if (epoll_ctl(p->epfd, EPOLL_CTL_DEL, fd, &ev) != 0)
             return -1;
-        p->count--;
+        __atomic_sub_fetch(&p->count, 1, __ATOMIC_RELAXED);
         return 0;
     }
 #endif

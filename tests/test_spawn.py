@@ -5,9 +5,11 @@ import errno
 import os
 import signal
 import subprocess
+import threading
 
 import pytest
 
+import torchmp
 from torchmp import Std, _core
 
 from helpers import (kill_groups, launch, pid_alive, popen_launcher, python_worker, read_pids, run_launcher,
@@ -249,3 +251,27 @@ def test_spawn_loops_do_not_grow_fds(tmp_path):
     while len(os.listdir("/proc/self/fd")) > before and time.monotonic() < deadline:
         time.sleep(0.01)
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_ranks_outlive_the_thread_that_started_them(tmp_path):
+    # PR_SET_PDEATHSIG fires when the spawning *thread* exits: a context
+    # started from a short-lived thread must not lose its ranks with it (the
+    # main thread spawns in place; any other hands the spawn to the I/O thread).
+    started: dict[str, object] = {}
+
+    def start() -> None:
+        started["ctx"] = torchmp.start_processes(
+            "t", "sh", {0: ("-c", "sleep 0.5; exit 0"), 1: ("-c", "sleep 0.5; exit 0")}, None,
+            torchmp.DefaultLogsSpecs(log_dir=str(tmp_path)))
+
+    thread = threading.Thread(target=start)
+    thread.start()
+    thread.join()
+    ctx = started["ctx"]
+    try:
+        result = ctx.wait(20)  # type: ignore[attr-defined]
+        assert result is not None
+        # (SIGKILLed with the thread, they would be failures with exit code -9)
+        assert {r: f.exitcode for r, f in result.failures.items()} == {}
+    finally:
+        ctx.close()  # type: ignore[attr-defined]
