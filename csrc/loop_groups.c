@@ -214,7 +214,7 @@ void torchmp_loop_collect_groups(torchmp_loop *L)
     torchmp_group **link = &L->groups;
     while (*link != NULL) {
         torchmp_group *g = *link;
-        if (g->released && g->running == 0 && g->open_streams == 0) {
+        if (g->released && __atomic_load_n(&g->running, __ATOMIC_ACQUIRE) == 0 && g->open_streams == 0) {
             *link = g->next;
             torchmp_loop_group_free(g);
         } else {
@@ -469,6 +469,7 @@ int torchmp_group_spawn(torchmp_group *g, torchmp_rank_spec *specs, int count, t
             }
         }
         note_pipes(g, specs, count);
+        g->spawned_here = 1;
         return spawn_here(g, specs, count, err);
     }
     return ranks_command(g, CMD_SPAWN, specs, count, err);

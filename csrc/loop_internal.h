@@ -176,6 +176,9 @@ struct torchmp_proc {
     int pid_gone;              /* by_forkserver: its pidfd fired, the trailer
                                 * is on its way */
     int exiting;               /* proc_record_exit is running for it */
+    int collecting;            /* atomic: a thread is collecting its exit (the
+                                * loop thread, or the caller waiting for a group
+                                * spawned in place) */
     /* fields below `mu` guards */
     /* Exited but not reaped yet: the zombie (ours, or the forkserver's until
      * Python releases it) pins the pid and so the process group id, which
@@ -203,6 +206,9 @@ struct torchmp_group {
     struct group_watcher *watchers;  /* mu: event loops to post to as well */
     int interrupted;           /* mu: torchmp_group_interrupt was called */
     int has_pipes;             /* caller thread: some stream is a pipe the loop drains */
+    int spawned_here;          /* caller thread, before any wait: its ranks were
+                                * spawned in the caller's thread, and a caller
+                                * waiting for them collects their exits itself */
     uint64_t version;          /* mu */
     int released;              /* loop thread */
     int running;               /* atomic: loop thread, and a caller-thread spawn */

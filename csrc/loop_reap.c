@@ -70,9 +70,12 @@ static void proc_record_exit(torchmp_loop *L, torchmp_proc *p, int status, int64
     p->group->version++;
     group_notify_locked(p->group);
     pthread_mutex_unlock(&L->mu);
-    /* (atomic: a caller-thread spawn counts its ranks in as they start) */
-    __atomic_sub_fetch(&p->group->running, 1, __ATOMIC_ACQ_REL);
     p->exiting = 0;
+    /* The last touch of p: a released group with no rank running may be
+     * freed by the loop thread from here on (a group spawned in place can
+     * have its exits recorded by a waiting caller).  Atomic: a caller-thread
+     * spawn counts its ranks in as they start. */
+    __atomic_sub_fetch(&p->group->running, 1, __ATOMIC_ACQ_REL);
 }
 
 /* The exit status of a worker in wait(2)'s encoding, from waitid's. */
@@ -157,6 +160,27 @@ static int proc_try_collect(torchmp_loop *L, torchmp_proc *p)
     return 1;
 }
 
+/* proc_try_collect by whichever thread gets there first: the loop thread
+ * (the rank's pidfd fired, or a SIGCHLD scan), or a caller waiting for a
+ * group spawned in place, woken by the same exit (torchmp_group_wait).  The
+ * other finds the rank claimed or already EXITED and leaves it alone.  Such a
+ * group has no stream the loop drains, so recording its exit from either
+ * thread touches only what is safe there (see torchmp_group_spawn). */
+static int proc_collect_claimed(torchmp_loop *L, torchmp_proc *p)
+{
+    int expected = 0;
+    if (!__atomic_compare_exchange_n(&p->collecting, &expected, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+        return 0;
+    /* Once it is recorded the claim stays: nobody collects it again, and its
+     * group may be freed (see proc_record_exit), so p is not touched. */
+    if (__atomic_load_n(&p->info.state, __ATOMIC_ACQUIRE) != TORCHMP_PROC_RUNNING)
+        return 0;
+    if (proc_try_collect(L, p))
+        return 1;
+    __atomic_store_n(&p->collecting, 0, __ATOMIC_RELEASE); /* still running */
+    return 0;
+}
+
 /* Let the zombie go: after this the pid and the process group id may be
  * recycled, so nothing may signal them again.  A forkserver's worker is
  * the forkserver's to reap: Python tells it (torchmp_group_reap).  Caller
@@ -226,7 +250,7 @@ void torchmp_loop_reap_scan(torchmp_loop *L)
     for (torchmp_group *g = L->groups; g != NULL; g = g->next) {
         for (int i = 0; i < g->nprocs && g->running > 0; i++) {
             if (g->procs[i].info.state == TORCHMP_PROC_RUNNING && !g->procs[i].by_forkserver)
-                (void)proc_try_collect(L, &g->procs[i]);
+                (void)proc_collect_claimed(L, &g->procs[i]);
         }
     }
 }
@@ -324,17 +348,19 @@ int torchmp_loop_rank_adopt_here(torchmp_loop *L, torchmp_proc *p, pid_t pid, in
 /* A worker's pidfd fired. */
 void torchmp_loop_proc_exit_event(torchmp_loop *L, torchmp_proc *p)
 {
+    if (!p->by_forkserver) {
+        (void)proc_collect_claimed(L, p);
+        return;
+    }
     if (p->info.state != TORCHMP_PROC_RUNNING || p->pidfd < 0)
         return;
-    if (p->by_forkserver) {
+    {
         /* Not ours to reap: wait for the forkserver's trailer. */
         (void)torchmp_poller_del(L->exits, p->pidfd);
         close_fd(&p->pidfd);
         p->pid_gone = 1;
         torchmp_loop_stream_pump(L, &p->streams[STREAM_RET], -1);
         torchmp_loop_proc_forkserver_exit(L, p, 0);
-    } else {
-        (void)proc_try_collect(L, p);
     }
 }
 
@@ -425,6 +451,17 @@ int torchmp_group_wait(torchmp_group *g, int64_t timeout_ns, uint64_t known_vers
     }
 
     rc = torchmp_wait_readable(me.wake_r, exits_fd, timeout_ns);
+    if (rc > 0 && !(rc & 1) && g->spawned_here) {
+        /* Some worker exited: if it is one of ours, record it here rather
+         * than wait for the loop thread to wake, record it and wake us. */
+        for (int i = 0; i < g->nprocs; i++)
+            (void)proc_collect_claimed(L, &g->procs[i]);
+        pthread_mutex_lock(&L->mu);
+        changed = group_changed_locked(g, known_version);
+        pthread_mutex_unlock(&L->mu);
+        if (changed)
+            rc = 1; /* as if woken by the notify fd: no spin below */
+    }
     if (rc > 0 && !(rc & 1)) {
         /* Some worker exited (maybe of another group): the I/O thread, woken
          * at the same moment, is recording it.  Yield to it rather than

@@ -189,9 +189,11 @@ static void run_commands(torchmp_loop *L)
             torchmp_loop_command_add(L, c->cmd);
             continue;
         case CMD_RELEASE:
-            c->group->released = 1;
-            /* Python signals the group no more: let its zombies go. */
+            /* Python signals the group no more: let its zombies go.  Under mu,
+             * with the reaping: an exit recorded meanwhile by a waiting caller
+             * (a group spawned in place) either sees the flag or is seen here. */
             pthread_mutex_lock(&L->mu);
+            c->group->released = 1;
             for (int i = 0; i < c->group->nprocs; i++) {
                 if (c->group->procs[i].info.state == TORCHMP_PROC_EXITED)
                     torchmp_loop_proc_reap_locked(&c->group->procs[i]);
