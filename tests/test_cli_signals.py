@@ -200,3 +200,38 @@ def test_bad_signal_settings_are_usage_errors(run, tmp_path, options, env, messa
     assert any(message in line for line in la.err), la.err
     assert not (tmp_path / "logs").exists()
     assert not la.out
+
+
+# torchmp run with the start of its report thread hooked: SIGTERM comes to
+# the main thread just as threading.Thread.start begins (a handler raising
+# there leaves a thread that never starts).
+REPORT_THREAD_START = textwrap.dedent("""\
+    import signal, sys, threading
+    real = threading.Thread.start
+    def start(self):
+        if self.name == "torchmp-hang-reports":
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+        real(self)
+    threading.Thread.start = start
+    from torchmp.cli import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def test_sigterm_while_the_report_thread_starts_stops_the_job_the_normal_way(tmp_path):
+    # The signal is held until the thread has started, then handled as
+    # anywhere else: the ranks get SIGTERM, exit 143 -- not a traceback
+    # from joining a thread that never started, and exit 1.
+    (tmp_path / "rank.py").write_text(RANK)
+    (tmp_path / "hooked.py").write_text(REPORT_THREAD_START)
+    with Launchers(follow=True) as launchers:
+        la = launchers.start(
+            [sys.executable, "hooked.py", "-n", "2", "--log-dir", str(tmp_path / "logs"), "--",
+             sys.executable, "rank.py", "trap"],
+            cwd=tmp_path, unset=UNSET)
+        code = la.finish()
+        output = "stderr:\n" + "\n".join(la.err) + "\nstdout:\n" + "\n".join(la.out)
+        assert code == 128 + signal.SIGTERM, output
+        assert "torchmp: got SIGTERM: terminated the workers" in la.err, output
+        assert not any("Traceback" in line for line in la.err), output
+    assert wait_no_tagged(la.tag) == []

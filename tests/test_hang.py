@@ -387,6 +387,37 @@ def test_signals_coalesce_and_stop_finishes_the_report(report_handler):
     assert run.reports._thread is not None and not run.reports._thread.is_alive()
 
 
+@pytest.mark.parametrize("hold", [(), (signal.SIGUSR1,)])
+def test_a_signal_while_the_report_thread_starts(report_handler, hold):
+    # A handler that raises (SignalException) runs as threading.Thread.start
+    # begins.  Not held, it cuts the start short: the thread never starts,
+    # and stop() gives everything back all the same.  Held, it is handled
+    # once start() returns, the thread running.
+    from torchmp._signals import SignalException, terminate_process_handler
+
+    signal.signal(signal.SIGUSR1, terminate_process_handler)  # the fixture puts it back
+    reports = _hang.ReportThread(signal.SIGUSR2, lambda asked: -1.0)
+    reports.arm()
+    real = threading.Thread.start
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+    def start(thread: threading.Thread) -> None:
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+        real(thread)
+
+    threading.Thread.start = start  # type: ignore[method-assign]
+    try:
+        with pytest.raises(SignalException):
+            reports.start(hold=hold) if hold else reports.start()
+    finally:
+        threading.Thread.start = real  # type: ignore[method-assign]
+    thread = reports._thread
+    assert thread is not None and thread.is_alive() == bool(hold)
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask  # nothing left blocked
+    reports.stop()
+    assert not thread.is_alive() and reports._read_fd == reports._write_fd == -1
+
+
 def test_torchelastic_signals_to_handle_naming_sigusr2_wins(report_handler, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGUSR2")
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)

@@ -288,7 +288,9 @@ def test_no_restart_after_a_signal(run, tmp_path):
     la = run("--max-restarts", "3", command=("/bin/sh", "-c", "echo ready; exec sleep 60"))
     la.wait_for(lambda: sum(line.endswith("]:ready") for line in la.out) == 2, 30, "2 ready lines")
     la.proc.send_signal(signal.SIGTERM)
-    assert la.finish(60) == 128 + signal.SIGTERM
-    assert attempts(tmp_path) == ["attempt_0"]
-    assert not any("restarting" in line for line in la.err)
+    code = la.finish(60)
+    output = "stderr:\n" + "\n".join(la.err) + "\nstdout:\n" + "\n".join(la.out)
+    assert code == 128 + signal.SIGTERM, output
+    assert attempts(tmp_path) == ["attempt_0"], output
+    assert not any("restarting" in line for line in la.err), output
     assert wait_no_tagged(la.tag) == []

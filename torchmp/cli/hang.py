@@ -257,11 +257,23 @@ class ReportThread:
             self._previous_wakeup_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
             self._catching = True
 
-    def start(self) -> None:
+    def start(self, hold: Sequence[int] = ()) -> None:
+        """Start the thread (once).  The signals in ``hold`` -- those whose
+        handlers raise, e.g. SignalException -- are blocked meanwhile: an
+        exception raised inside threading.Thread.start may leave a thread
+        that never starts, or one that starts and dies at once.  Held, such
+        a signal is handled when start() returns, the thread running (the
+        thread keeps them blocked: they are the main thread's).  This needs
+        every other thread to block them too, as torchmp's I/O thread does."""
         if self._read_fd < 0 or self._thread is not None:
             return
-        self._thread = threading.Thread(target=self._run, name="torchmp-hang-reports", daemon=True)
-        self._thread.start()
+        try:
+            # In the try: a handler may raise in this very call, signals blocked.
+            signal.pthread_sigmask(signal.SIG_BLOCK, hold)
+            self._thread = threading.Thread(target=self._run, name="torchmp-hang-reports", daemon=True)
+            self._thread.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, hold)
 
     def _run(self) -> None:
         asked = False
@@ -293,7 +305,13 @@ class ReportThread:
         except OSError:
             pass  # full: the thread has a wake-up to read anyway
         if self._thread is not None:
-            self._thread.join(timeout)
+            try:
+                self._thread.join(timeout)
+            except RuntimeError:
+                # Its start() was cut short (an exception from a signal
+                # handler): it never ran, or it has yet to reach _run, where
+                # _stopping ends it before it touches the pipe.
+                pass
         if self._catching:
             replaced = signal.set_wakeup_fd(self._previous_wakeup_fd)
             if replaced != self._write_fd:

@@ -102,8 +102,10 @@ class Job:
         # down with its own 30 s grace, not --shutdown-timeout.  Held until
         # the context is ours, it is handled by shut_down like any other.
         # (Workers start with an empty signal mask whatever the launcher's.)
-        signal.pthread_sigmask(signal.SIG_BLOCK, self.caught)
         try:
+            # In the try: a pending signal's handler may raise in this very
+            # call, the signals blocked already; the finally unblocks them.
+            signal.pthread_sigmask(signal.SIG_BLOCK, self.caught)
             self.ctx = start_processes(
                 name=plan.name,
                 entrypoint=plan.command[0],
@@ -152,7 +154,8 @@ class Job:
     def start_reports(self) -> None:
         """Make reports from now on (once the context exists)."""
         if self.ctx is not None:
-            self.reports.start()
+            # Not with a SignalException in the middle of the thread's start.
+            self.reports.start(hold=self.caught)
 
     def _reports_due(self, asked: bool) -> float:
         """On the report thread: make the reports that are due; the seconds
