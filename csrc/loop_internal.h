@@ -5,6 +5,8 @@
  *
  *   loop_streams.c  tee pipes and return channels (open, read, log, keep
  *                   the return channel's bytes, tail, close)
+ *   loop_follow.c   teed logs followed instead of piped (one inotify fd,
+ *                   each log opened only to read what it gained)
  *   loop_feeds.c    how a stream's lines get to its console: framing,
  *                   holding them back from a console that fell behind and
  *                   catching it up from the log
