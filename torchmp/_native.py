@@ -18,8 +18,8 @@ from typing import Any, cast
 from torchmp import _console, _core, _oom, _orphans, _placement, _shutdown
 from torchmp._launch import Launch, adopt_interrupted
 from torchmp._launch.streams import (
-    NO_STREAM, RankStreams, ensure_fd_budget, fd_budget_fits, follow_wanted, followable, launch_fds_needed,
-    open_log, prepare_log,
+    NO_STREAM, RankStreams, ensure_fd_budget, fd_budget_fits, fd_limits, follow_wanted, followable,
+    launch_fds_needed, open_log, prepare_log,
 )
 from torchmp._inputs import (
     DEFAULT_STDERR_TAIL_LINES, TAIL_BYTES_PER_LINE, check_filters, check_name, check_prefixes,
@@ -192,7 +192,7 @@ class _NativeContext(PContext):
                                  self._logs_dest.tee_stderrs, self.nprocs, self._fds_per_rank,
                                  bool(self.watch_stderr and self.stderr_tail), self._follow_logs)
 
-    def _choose_follow(self) -> bool:
+    def _choose_follow(self, limits: tuple[int, int, int] | None) -> bool:
         """Whether the teed logs are followed (the worker writes its log, one
         inotify fd says when it grew: no fd per stream) rather than piped (a
         pipe and the log per stream): only when the pipes would not fit the
@@ -203,11 +203,12 @@ class _NativeContext(PContext):
         if wanted is not None:
             return wanted
         self._follow_logs = False
-        return not fd_budget_fits(self._fds_needed())
+        return not fd_budget_fits(self._fds_needed(), limits)
 
     def _ensure_fd_budget(self) -> None:
-        self._follow_logs = self._choose_follow()
-        ensure_fd_budget(self._fds_needed(), self.nprocs)
+        limits = fd_limits()  # once a launch: a /proc/self/fd scan
+        self._follow_logs = self._choose_follow(limits)
+        ensure_fd_budget(self._fds_needed(), self.nprocs, limits)
 
     def _start(self) -> None:
         if self._group is not None:

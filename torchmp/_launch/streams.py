@@ -103,10 +103,9 @@ def follow_wanted() -> bool | None:
     return value not in ("0", "false", "no", "off")
 
 
-def fd_budget_fits(needed: int) -> bool:
+def fd_budget_fits(needed: int, limits: tuple[int, int, int] | None) -> bool:
     """Whether ``needed`` more fds fit the hard RLIMIT_NOFILE (the soft one
-    can be raised to it)."""
-    limits = _fd_limits()
+    can be raised to it), given :func:`fd_limits`."""
     if limits is None:
         return True
     in_use, _soft, hard = limits
@@ -115,7 +114,7 @@ def fd_budget_fits(needed: int) -> bool:
     return hard == resource.RLIM_INFINITY or needed + in_use <= hard
 
 
-def _fd_limits() -> tuple[int, int, int] | None:
+def fd_limits() -> tuple[int, int, int] | None:
     """(fds in use, soft limit, hard limit), or None where unknown."""
     try:
         import resource
@@ -133,11 +132,13 @@ def _fd_limits() -> tuple[int, int, int] | None:
     return in_use, soft, hard
 
 
-def ensure_fd_budget(needed: int, nprocs: int) -> None:
+def ensure_fd_budget(needed: int, nprocs: int, limits: tuple[int, int, int] | None = None) -> None:
     """Raise the soft RLIMIT_NOFILE if a launch needs ``needed`` more fds, or
     fail with a clear error before anything starts (a launch that runs out of
-    fds half-way would have to tear down what it started)."""
-    limits = _fd_limits()
+    fds half-way would have to tear down what it started).  ``limits``: what
+    :func:`fd_limits` said just now (None: ask it)."""
+    if limits is None:
+        limits = fd_limits()
     if limits is None:
         return
     import resource
