@@ -72,7 +72,7 @@ if COVERAGE:
 
 C_SOURCES = [
     "csrc/spawn.c", "csrc/framer.c", "csrc/console.c", "csrc/console_target.c", "csrc/poller.c",
-    "csrc/loop_streams.c", "csrc/loop_feeds.c", "csrc/loop_consoles.c", "csrc/loop_reap.c",
+    "csrc/loop_streams.c", "csrc/loop_follow.c", "csrc/loop_feeds.c", "csrc/loop_consoles.c", "csrc/loop_reap.c",
     "csrc/loop_groups.c", "csrc/loop_thread.c", "csrc/loop_commands.c", "csrc/command.c", "csrc/notifier.c",
     "csrc/keeper.c", "csrc/procscan.c", "csrc/bind.c",
 ]

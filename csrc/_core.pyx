@@ -56,10 +56,16 @@ cdef extern from *:
     #else
     #define TORCHMP_BINDING_BUILD 0
     #endif
+    #ifdef TORCHMP_HAVE_INOTIFY
+    #define TORCHMP_FOLLOW_BUILD 1
+    #else
+    #define TORCHMP_FOLLOW_BUILD 0
+    #endif
     """
     const char *TORCHMP_VERSION
     int TORCHMP_PORTABLE_BUILD
     int TORCHMP_BINDING_BUILD
+    int TORCHMP_FOLLOW_BUILD
 
 __version__ = TORCHMP_VERSION.decode()
 # Whether collect_exit() reads a zombie's rusage without reaping it (Linux's
@@ -68,6 +74,9 @@ COLLECT_HAS_RUSAGE = not TORCHMP_PORTABLE_BUILD
 PORTABLE_BUILD = bool(TORCHMP_PORTABLE_BUILD)
 # Whether a worker can be bound to CPUs / memory nodes (Binding).
 HAVE_BINDING = bool(TORCHMP_BINDING_BUILD)
+# Whether a teed stream's log can be followed (StreamSpec.follow_log: one
+# inotify fd for all, none per stream) rather than piped.
+HAVE_FOLLOW = bool(TORCHMP_FOLLOW_BUILD)
 
 import enum as _enum
 
@@ -318,7 +327,11 @@ StreamSpec = _collections.namedtuple("StreamSpec", [
     # only when the rank starts, and a FILE one is closed once the worker has
     # it: a launch holds no fd for the logs of ranks it has not reached.
     "open_log",
-], defaults=(False, None, DEFAULT_CONSOLE_BACKLOG, 0, False))
+    # TEE with open_log: the worker writes its log itself and the I/O thread
+    # follows the file to the console (no fd per stream while the rank runs);
+    # piped where it cannot be followed (see HAVE_FOLLOW).
+    "follow_log",
+], defaults=(False, None, DEFAULT_CONSOLE_BACKLOG, 0, False, False))
 StreamSpec.__module__ = __name__
 
 RankSpec = _collections.namedtuple("RankSpec", [

@@ -134,6 +134,7 @@ cdef extern from "torchmp.h" nogil:
         size_t backlog_limit
         size_t tail_bytes
         int open_log
+        int follow_log
 
     ctypedef struct torchmp_rank_spec:
         torchmp_spawn_args args

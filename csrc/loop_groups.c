@@ -136,7 +136,7 @@ void torchmp_loop_do_finish(torchmp_loop *L, torchmp_group *g)
     for (int i = 0; i < g->nprocs; i++) {
         for (int w = 0; w < STREAM_COUNT; w++) {
             stream *s = &g->procs[i].streams[w];
-            if (s->fd >= 0) {
+            if (s->fd >= 0 || s->following) {
                 torchmp_loop_stream_drain_buffered(L, s);
                 torchmp_loop_stream_close(L, s);
             }
@@ -189,6 +189,7 @@ void torchmp_loop_group_free(torchmp_group *g)
         for (int w = 0; w < STREAM_COUNT; w++) {
             close_fd(&p->streams[w].fd);
             close_fd(&p->streams[w].log_fd);
+            torchmp_loop_follow_close(g->loop, &p->streams[w]);
             torchmp_loop_stream_free(g->loop, &p->streams[w]);
         }
     }
@@ -207,6 +208,22 @@ void torchmp_loop_group_free(torchmp_group *g)
     free(g);
 }
 
+/* A released group whose ranks have all exited: its followed logs are read
+ * to their end and let go (a pipe stays until its last writer closes it; a
+ * log has no such end). */
+static void group_unfollow(torchmp_loop *L, torchmp_group *g)
+{
+    for (int i = 0; i < g->nprocs; i++) {
+        for (int w = STREAM_OUT; w <= STREAM_ERR; w++) {
+            stream *s = &g->procs[i].streams[w];
+            if (s->following) {
+                torchmp_loop_stream_drain_buffered(L, s);
+                torchmp_loop_stream_close(L, s);
+            }
+        }
+    }
+}
+
 /* Free released groups with nothing left to watch.  Runs after a batch of
  * events, so no event of the batch can point into a freed group. */
 void torchmp_loop_collect_groups(torchmp_loop *L)
@@ -214,7 +231,10 @@ void torchmp_loop_collect_groups(torchmp_loop *L)
     torchmp_group **link = &L->groups;
     while (*link != NULL) {
         torchmp_group *g = *link;
-        if (g->released && __atomic_load_n(&g->running, __ATOMIC_ACQUIRE) == 0 && g->open_streams == 0) {
+        int running = __atomic_load_n(&g->running, __ATOMIC_ACQUIRE);
+        if (g->released && running == 0 && g->open_streams > 0)
+            group_unfollow(L, g);
+        if (g->released && running == 0 && g->open_streams == 0) {
             *link = g->next;
             torchmp_loop_group_free(g);
         } else {

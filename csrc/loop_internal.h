@@ -5,6 +5,8 @@
  *
  *   loop_streams.c  tee pipes and return channels (open, read, log, keep
  *                   the return channel's bytes, tail, close)
+ *   loop_follow.c   teed logs followed instead of piped (one inotify fd,
+ *                   each log opened only to read what it gained)
  *   loop_feeds.c    how a stream's lines get to its console: framing,
  *                   holding them back from a console that fell behind and
  *                   catching it up from the log
@@ -63,7 +65,8 @@
 
 /* What a watch in the I/O thread's set is: the first int of its pointer.  The
  * pidfds in the exits set point at their torchmp_proc directly. */
-enum watch_kind { WATCH_CONTROL = 1, WATCH_STREAM = 2, WATCH_EXITS = 3, WATCH_CONSOLE = 4, WATCH_COMMAND = 5 };
+enum watch_kind { WATCH_CONTROL = 1, WATCH_STREAM = 2, WATCH_EXITS = 3, WATCH_CONSOLE = 4, WATCH_COMMAND = 5,
+                  WATCH_FOLLOW = 6 };
 
 /* A console the loop writes to (console.c): the launcher's fd 1 or 2, one
  * per target and shared by every stream teed there, or a queue console of
@@ -163,6 +166,16 @@ typedef struct stream {
     char *tail;                /* ring of the last tail_cap bytes (NULL: none kept) */
     size_t tail_cap, tail_len, tail_end;  /* tail_end: where the next byte goes */
     torchmp_proc *proc;
+    /* A followed log (loop_follow.c): the worker writes it, the loop reads
+     * what it added (by path, from follow_off) when inotify says it grew. */
+    int following;             /* 1 while followed (fd is -1) */
+    int follow_wd;             /* its inotify watch */
+    char *follow_path;
+    dev_t follow_dev;
+    ino_t follow_ino;
+    uint64_t follow_off;       /* bytes read so far */
+    int follow_dirty;          /* on L->follow_dirty: bytes may wait */
+    struct stream *follow_prev, *follow_next;
 } stream;
 
 enum { STREAM_OUT = 0, STREAM_ERR = 1, STREAM_RET = 2, STREAM_COUNT = 3 };
@@ -289,6 +302,13 @@ typedef struct torchmp_loop {
     long max_fd;
     struct torchmp_command *commands;  /* loop thread: the commands it watches */
     struct torchmp_command *commands_done;  /* loop thread: done, let go of after the batch */
+    /* followed logs (loop_follow.c): one inotify fd while any is followed */
+    int follow_kind;           /* WATCH_FOLLOW: the inotify fd's watch */
+    int inotify_fd;
+    stream **follow_map;       /* open addressing by watch descriptor */
+    size_t follow_map_cap, follow_count;
+    stream *follow_dirty, *follow_dirty_tail;
+    int64_t follow_retry_ns;   /* out of fds: read again then (0: not waiting) */
 } torchmp_loop;
 
 /* ---- commands (command.c, loop_commands.c) ------------------------------ */
@@ -373,6 +393,24 @@ void torchmp_loop_streams_tick(torchmp_loop *L);
 int torchmp_loop_streams_timeout_ms(torchmp_loop *L);
 /* A framer of s may have a deadline now: (re)arm its timer. */
 void torchmp_loop_stream_rearm(torchmp_loop *L, stream *s);
+
+/* ---- loop_follow.c ----------------------------------------------------- */
+
+/* Follow a teed stream's log instead of piping it (spec->follow_log): the
+ * worker's end (the log, opened for writing) in *child_fd.  0: followed;
+ * 1: cannot be followed (nothing opened: use a pipe); -1 with errno. */
+int torchmp_loop_follow_open(torchmp_loop *L, stream *s, const torchmp_stream_spec *spec, int *child_fd);
+/* The inotify fd is readable. */
+void torchmp_loop_follow_event(torchmp_loop *L);
+/* Read what the logs that grew have now (a few chunks each a round). */
+void torchmp_loop_follow_pump(torchmp_loop *L);
+/* Read the log to the size it has now (the worker exited). */
+void torchmp_loop_follow_drain(torchmp_loop *L, stream *s);
+void torchmp_loop_follow_close(torchmp_loop *L, stream *s);
+/* poller timeout for followed logs (-1: none). */
+int torchmp_loop_follow_timeout_ms(torchmp_loop *L);
+/* The bytes read from a log (or a pipe): to the console, tail, filters. */
+void torchmp_loop_stream_consume(torchmp_loop *L, stream *s, const char *data, size_t len);
 
 /* ---- loop_feeds.c -------------------------------------------------------- */
 

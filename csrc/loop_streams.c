@@ -125,7 +125,7 @@ static void tail_append_locked(stream *s, const char *data, size_t len)
     s->tail_len = s->tail_len + len > s->tail_cap ? s->tail_cap : s->tail_len + len;
 }
 
-static void stream_consume(torchmp_loop *L, stream *s, const char *data, size_t len)
+void torchmp_loop_stream_consume(torchmp_loop *L, stream *s, const char *data, size_t len)
 {
     int64_t now;
     if (s->which == STREAM_RET) {
@@ -151,7 +151,7 @@ static void stream_consume(torchmp_loop *L, stream *s, const char *data, size_t 
         (void)torchmp_framer_feed(&s->framer, data, len, now, &sinks);
     }
     if (s->feed != NULL)
-        torchmp_loop_feed_push(L, s->feed, data, len, now, s->log_fd >= 0);
+        torchmp_loop_feed_push(L, s->feed, data, len, now, s->log_fd >= 0 || s->following);
     torchmp_loop_stream_rearm(L, s);
 }
 
@@ -180,10 +180,11 @@ void torchmp_loop_streams_tick(torchmp_loop *L)
         int64_t d;
         int avail = 0;
         next = s->timed_next;
-        if (s->fd >= 0 && ioctl(s->fd, FIONREAD, &avail) == 0 && avail > 0) {
+        if ((s->fd >= 0 && ioctl(s->fd, FIONREAD, &avail) == 0 && avail > 0) || s->follow_dirty) {
             /* Bytes wait in the pipe: the worker was not idle, the loop was
-             * busy.  They are read first (the fd is readable: the next round
-             * comes at once), as if the loop had kept up. */
+             * busy.  They are read first (the fd is readable, or the log
+             * is on the list of grown ones: the next round comes at once),
+             * as if the loop had kept up. */
             d = stream_deadline(s);
             if (d != 0 && (L->next_deadline_ns == 0 || d < L->next_deadline_ns))
                 L->next_deadline_ns = d;
@@ -240,16 +241,18 @@ static void stream_maybe_grow(torchmp_loop *L, stream *s, size_t just_read)
 void torchmp_loop_stream_close(torchmp_loop *L, stream *s)
 {
     torchmp_proc *p = s->proc;
-    if (s->fd < 0)
+    if (s->fd < 0 && !s->following)
         return;
     if (s->pipe_grown > 0) {
         L->pipe_budget += s->pipe_grown;
         s->pipe_grown = 0;
     }
     stream_flush_partial(L, s);
-    (void)torchmp_poller_del(L->poller, s->fd);
+    if (s->fd >= 0)
+        (void)torchmp_poller_del(L->poller, s->fd);
     close_fd(&s->fd);
     close_fd(&s->log_fd);
+    torchmp_loop_follow_close(L, s);
     pthread_mutex_lock(&L->mu);
     s->open = 0;
     pthread_mutex_unlock(&L->mu);
@@ -279,7 +282,7 @@ void torchmp_loop_stream_pump(torchmp_loop *L, stream *s, long limit)
         n = read(s->fd, L->readbuf, want);
         if (n > 0) {
             stream_maybe_grow(L, s, (size_t)n);
-            stream_consume(L, s, L->readbuf, (size_t)n);
+            torchmp_loop_stream_consume(L, s, L->readbuf, (size_t)n);
             if (limit >= 0)
                 limit -= n;
             continue;
@@ -296,6 +299,11 @@ void torchmp_loop_stream_pump(torchmp_loop *L, stream *s, long limit)
 void torchmp_loop_stream_drain_buffered(torchmp_loop *L, stream *s)
 {
     int avail = 0;
+    if (s->following) {
+        torchmp_loop_follow_drain(L, s);
+        stream_flush_partial(L, s);
+        return;
+    }
     if (s->fd < 0)
         return;
     if (ioctl(s->fd, FIONREAD, &avail) != 0)
@@ -372,6 +380,11 @@ int torchmp_loop_stream_open(torchmp_loop *L, torchmp_proc *p, int which, const 
     }
     if (spec->mode != TORCHMP_STREAM_TEE && spec->mode != TORCHMP_STREAM_RETURN)
         return 0;
+    if (spec->follow_log) {
+        int r = torchmp_loop_follow_open(L, s, spec, child_fd);
+        if (r <= 0)
+            return r; /* followed, or failed; 1: piped after all */
+    }
 
     if (torchmp_pipe_cloexec(pfd) != 0)
         return -1;

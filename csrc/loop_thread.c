@@ -220,9 +220,12 @@ static void *loop_main(void *arg)
     for (;;) {
         int timeout = torchmp_loop_streams_timeout_ms(L);
         int commands_timeout = torchmp_loop_commands_timeout_ms(L);
+        int follow_timeout = torchmp_loop_follow_timeout_ms(L);
         int n;
         if (commands_timeout >= 0 && (timeout < 0 || commands_timeout < timeout))
             timeout = commands_timeout;
+        if (follow_timeout >= 0 && (timeout < 0 || follow_timeout < timeout))
+            timeout = follow_timeout;
         if (L->consoles_polled && (timeout < 0 || timeout > 10))
             timeout = 10;
         if (L->catch_up_more)
@@ -254,6 +257,8 @@ static void *loop_main(void *arg)
                 torchmp_loop_console_entry_writable(L, events[i].ptr);
             } else if (kind == WATCH_COMMAND) {
                 torchmp_loop_command_event(L, events[i].ptr);
+            } else if (kind == WATCH_FOLLOW) {
+                torchmp_loop_follow_event(L);
             } else if (kind == WATCH_EXITS) {
                 /* Level-triggered: exits beyond MAX_EVENTS show up next round. */
                 int m = torchmp_poller_wait(L->exits, exit_events, MAX_EVENTS, 0);
@@ -261,6 +266,7 @@ static void *loop_main(void *arg)
                     torchmp_loop_proc_exit_event(L, exit_events[j].ptr);
             }
         }
+        torchmp_loop_follow_pump(L);
         torchmp_loop_streams_tick(L);
         torchmp_loop_commands_tick(L);
         if (L->consoles_polled)
@@ -313,6 +319,7 @@ static torchmp_loop *loop_create(void)
     L->exits_kind = WATCH_EXITS;
     L->owner_pid = getpid();
     L->wake_r = L->wake_w = -1;
+    L->inotify_fd = -1;
     L->backend = torchmp_backend_choice();
     L->pipe_budget = PIPE_GROWTH_BUDGET;
     L->max_fd = sysconf(_SC_OPEN_MAX);

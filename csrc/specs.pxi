@@ -98,12 +98,13 @@ cdef char **cstring_array(list items, list keep) except NULL:
 
 
 cdef int stream_spec_fill(torchmp_stream_spec *s, object spec, list keep) except -1:
-    """A StreamSpec (or a plain tuple of its first 4 to 9 fields) -> a C
+    """A StreamSpec (or a plain tuple of its first 4 to 10 fields) -> a C
     stream spec.  console: the launcher's fd 1 or 2, -1 for none, or a
     QueueConsole; log_path: bytes or None; backlog: the console bound; tail:
     how many of the last bytes to keep for Group.tail (0: none); open_log:
-    the core opens log_path when the rank starts (fd must be -1)."""
-    if not isinstance(spec, tuple) or not 4 <= len(spec) <= 9:
+    the core opens log_path when the rank starts (fd must be -1); follow_log:
+    a TEE one's log is followed, not piped, where it can be."""
+    if not isinstance(spec, tuple) or not 4 <= len(spec) <= 10:
         raise TypeError(f"a stream spec is a StreamSpec, got {spec!r}")
     mode, fd, console, prefix = spec[:4]
     s.timestamps = bool(spec[4]) if len(spec) > 4 else 0
@@ -111,6 +112,7 @@ cdef int stream_spec_fill(torchmp_stream_spec *s, object spec, list keep) except
     s.backlog_limit = <size_t>(spec[6] if len(spec) > 6 else DEFAULT_CONSOLE_BACKLOG)
     s.tail_bytes = <size_t>(spec[7] if len(spec) > 7 else 0)
     s.open_log = bool(spec[8]) if len(spec) > 8 else 0
+    s.follow_log = bool(spec[9]) if len(spec) > 9 else 0
     s.mode = mode
     s.fd = fd
     s.sink = NULL
@@ -122,6 +124,8 @@ cdef int stream_spec_fill(torchmp_stream_spec *s, object spec, list keep) except
         s.console = console
     if s.open_log and (log_path is None or fd != -1 or mode not in (TORCHMP_STREAM_FILE, TORCHMP_STREAM_TEE)):
         raise ValueError("open_log needs a FILE or TEE stream with a log_path and fd -1")
+    if s.follow_log and (mode != TORCHMP_STREAM_TEE or not s.open_log):
+        raise ValueError("follow_log needs a TEE stream with open_log")
     if log_path is None:
         s.log_path = NULL
     else:

@@ -43,6 +43,7 @@
 #define TORCHMP_HAVE_PIPE2 1
 #define TORCHMP_HAVE_PPOLL 1
 #define TORCHMP_HAVE_BINDING 1     /* sched_setaffinity, set_mempolicy */
+#define TORCHMP_HAVE_INOTIFY 1     /* teed logs followed without an fd each (loop_follow.c) */
 #endif
 
 /* Line-coverage builds (setup.py TORCHMP_COVERAGE=1, used by .ci/coverage):
@@ -414,6 +415,10 @@ typedef struct {
     int open_log;              /* FILE, TEE: fd is -1 and log_path is opened when the rank's streams
                                 * open (created and checked by the caller before); a FILE one is
                                 * closed again once the worker has it, so a launch holds none */
+    int follow_log;            /* TEE with open_log: the worker writes its log itself and the loop
+                                * follows the file to the console (one inotify fd for them all)
+                                * instead of holding a pipe and the log per stream; a pipe where
+                                * that cannot be (no inotify, not a regular file, ...) */
 } torchmp_stream_spec;
 
 typedef struct {

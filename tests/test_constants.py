@@ -147,7 +147,7 @@ def test_exit_trailer_written_by_python_reads_back_in_c_order() -> None:
 
 def test_stream_spec_defaults() -> None:
     spec = _core.StreamSpec(_core.STREAM_TEE, -1, 1, b"[p]")
-    assert spec == (_core.STREAM_TEE, -1, 1, b"[p]", False, None, _core.DEFAULT_CONSOLE_BACKLOG, 0, False)
+    assert spec == (_core.STREAM_TEE, -1, 1, b"[p]", False, None, _core.DEFAULT_CONSOLE_BACKLOG, 0, False, False)
     assert _core.StreamSpec.__module__ == _core.RankSpec.__module__ == _core.ProcInfo.__module__ == "torchmp._core"
     assert len({_core.STREAM_INHERIT, _core.STREAM_FILE, _core.STREAM_TEE, _core.STREAM_RETURN}) == 4
 

@@ -1,15 +1,19 @@
 """How many ranks run under a hard RLIMIT_NOFILE (issue 23.4).
 
 Each case runs a launcher in a fresh interpreter whose soft and hard limits
-are both set to the limit, so the soft limit cannot be raised: redirect-only
-jobs of torch 2.13's own capacity (measured with bench/fd_capacity.py: 29
-ranks at 64, 125 at 256) run with every rank's log bytes exact, and so do
-teed jobs of the size torchmp now reaches; one rank more than fits is a
-clear error before any process starts, with nothing left behind.
+are both set to the limit, so the soft limit cannot be raised: jobs of torch
+2.13's own capacity (measured with bench/fd_capacity.py: 29 ranks at 64, 125
+at 256, the figures its tee reaches only by losing console lines) run with
+every rank's log bytes exact, teed ones with every console line shown too
+(their logs are followed rather than piped: tests/test_tee_follow.py); past
+torchmp's capacity is a clear error before any process starts, with nothing
+left behind.
 """
 from __future__ import annotations
 
 import pytest
+
+from torchmp import _core
 
 from helpers import Launchers
 
@@ -66,10 +70,16 @@ def _run(tmp_path, limit: int, n: int, mode: str) -> tuple[int, str, str]:
         return run.communicate(150)
 
 
-# (hard limit, mode, ranks that must run): redirect-only at torch's capacity;
-# teed at what torchmp reaches (it was 6 and 33: see docs/compat.md).
+# (hard limit, mode, ranks that must run): torch's capacity, teed or not
+# (torchmp's teed one was 6 and 33, then 9 and 47: see docs/compat.md).
+# A build without inotify (TORCHMP_PORTABLE, macOS) pipes every teed stream:
+# its teed capacity is still the old one.
+_FOLLOWS = pytest.mark.skipif(not _core.HAVE_FOLLOW, reason="this build cannot follow logs (no inotify)")
+
+
 @pytest.mark.parametrize("limit, mode, n", [
-    (64, "redirect", 29), (256, "redirect", 125), (64, "tee", 9), (256, "tee", 45),
+    (64, "redirect", 29), (256, "redirect", 125),
+    pytest.param(64, "tee", 29, marks=_FOLLOWS), pytest.param(256, "tee", 125, marks=_FOLLOWS),
 ])
 def test_jobs_run_under_a_hard_fd_limit(tmp_path, limit, mode, n):
     rc, out, err = _run(tmp_path, limit, n, mode)
@@ -82,7 +92,7 @@ def test_jobs_run_under_a_hard_fd_limit(tmp_path, limit, mode, n):
 
 
 # One rank per fd over the limit at least: past any capacity.
-@pytest.mark.parametrize("limit, mode, n", [(64, "redirect", 64), (64, "tee", 16), (256, "tee", 64)])
+@pytest.mark.parametrize("limit, mode, n", [(64, "redirect", 64), (64, "tee", 64), (256, "tee", 256)])
 def test_past_the_capacity_is_a_clear_error_before_anything_starts(tmp_path, limit, mode, n):
     rc, out, err = _run(tmp_path, limit, n, mode)
     assert rc == 3, err[-3000:]

@@ -403,7 +403,7 @@ def test_low_nofile_is_raised_or_fails_cleanly(tmp_path):
         import torchmp
         from torchmp import Std
         resource.setrlimit(resource.RLIMIT_NOFILE, (256, {{hard}}))
-        ctx = torchmp.start_processes("w", "true", {{r: () for r in range(200)}}, {{r: {{}} for r in range(200)}},
+        ctx = torchmp.start_processes("w", "true", {{r: () for r in range(256)}}, {{r: {{}} for r in range(256)}},
                                       torchmp.DefaultLogsSpecs(log_dir="{tmp_path}/logs", tee=Std.ALL))
         r = ctx.wait(60)
         ctx.close()

@@ -12,6 +12,7 @@ from typing import Any, Final, NamedTuple
 __version__: Final[str]
 COLLECT_HAS_RUSAGE: Final[bool]
 HAVE_BINDING: Final[bool]
+HAVE_FOLLOW: Final[bool]
 
 class StreamMode(IntEnum):
     """How a stream of a rank is wired (StreamSpec.mode)."""
@@ -98,6 +99,7 @@ class StreamSpec(NamedTuple):
     backlog: int = ...
     tail: int = ...
     open_log: bool = ...
+    follow_log: bool = ...
 
 class Binding(NamedTuple):
     """Where a worker runs: sched_setaffinity to cpus and, if mems is not

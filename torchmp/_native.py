@@ -18,7 +18,8 @@ from typing import Any, cast
 from torchmp import _console, _core, _oom, _orphans, _placement, _shutdown
 from torchmp._launch import Launch, adopt_interrupted
 from torchmp._launch.streams import (
-    NO_STREAM, RankStreams, ensure_fd_budget, launch_fds_needed, open_log, prepare_log,
+    NO_STREAM, RankStreams, ensure_fd_budget, fd_budget_fits, fd_limits, follow_wanted, followable,
+    launch_fds_needed, open_log, prepare_log,
 )
 from torchmp._inputs import (
     DEFAULT_STDERR_TAIL_LINES, TAIL_BYTES_PER_LINE, check_filters, check_name, check_prefixes,
@@ -178,18 +179,36 @@ class _NativeContext(PContext):
         log_path = os.fsencode(prepare_log(path))
         if rank in tees:
             return _core.StreamSpec(_core.STREAM_TEE, -1, sink, self._prefix(rank), self.log_line_timestamps,
-                                    log_path, backlog, tail, True)
+                                    log_path, backlog, tail, True,
+                                    self._follow_logs and followable(self.stdouts, self.stderrs, rank))
         return _core.StreamSpec(_core.STREAM_FILE, -1, -1, None, False, log_path, open_log=True)
 
     _fds_per_rank = 1  # launcher fds per rank: the pidfd, plus what a subclass adds
+    # Whether teed logs are followed rather than piped (_choose_follow).
+    _follow_logs = False
 
     def _fds_needed(self) -> int:
         return launch_fds_needed(self.stdouts, self.stderrs, self._logs_dest.tee_stdouts,
                                  self._logs_dest.tee_stderrs, self.nprocs, self._fds_per_rank,
-                                 bool(self.watch_stderr and self.stderr_tail))
+                                 bool(self.watch_stderr and self.stderr_tail), self._follow_logs)
+
+    def _choose_follow(self, limits: tuple[int, int, int] | None) -> bool:
+        """Whether the teed logs are followed (the worker writes its log, one
+        inotify fd says when it grew: no fd per stream) rather than piped (a
+        pipe and the log per stream): only when the pipes would not fit the
+        hard RLIMIT_NOFILE, unless TORCHMP_TEE_TAIL says otherwise."""
+        if not _core.HAVE_FOLLOW or not (self._logs_dest.tee_stdouts or self._logs_dest.tee_stderrs):
+            return False
+        wanted = follow_wanted()
+        if wanted is not None:
+            return wanted
+        self._follow_logs = False
+        return not fd_budget_fits(self._fds_needed(), limits)
 
     def _ensure_fd_budget(self) -> None:
-        ensure_fd_budget(self._fds_needed(), self.nprocs)
+        limits = fd_limits()  # once a launch: a /proc/self/fd scan
+        self._follow_logs = self._choose_follow(limits)
+        ensure_fd_budget(self._fds_needed(), self.nprocs, limits)
 
     def _start(self) -> None:
         if self._group is not None:

@@ -55,29 +55,67 @@ def prepare_log(path: str) -> str:
     return os.path.abspath(path)
 
 
+#: TORCHMP_TEE_TAIL=1 follows every teed log even when fds are plentiful,
+#: =0 never does (tests and operations); unset, logs are followed only when
+#: piping them would not fit RLIMIT_NOFILE.
+FOLLOW_ENV = "TORCHMP_TEE_TAIL"
+#: What following logs costs once: the inotify fd, and the one a log is read
+#: with for a moment.
+FOLLOW_FDS = 2
+
+
 def launch_fds_needed(stdouts: Mapping[int, str], stderrs: Mapping[int, str], tee_stdouts: Container[int],
-                      tee_stderrs: Container[int], nprocs: int, fds_per_rank: int, stderr_tail_pipe: bool) -> int:
+                      tee_stderrs: Container[int], nprocs: int, fds_per_rank: int, stderr_tail_pipe: bool,
+                      follow: bool = False) -> int:
     """The most fds a context holds at once while starting: per teed stream
-    the loop's pipe end and (with a file) the log it writes; none for a
-    redirected one (the core opens its log when the rank starts and closes it
-    once the worker has it); a pipe for an unlogged stderr whose tail is kept
-    (``stderr_tail_pipe``); ``fds_per_rank`` per rank (the pidfd, plus what
-    the launch adds); the few of the rank being started, and the I/O thread's
-    own: some slack."""
-    needed = 16
+    the loop's pipe end and (with a file) the log it writes, or nothing if
+    its log is followed (``follow``: the worker writes it, one inotify fd
+    says when it grew); none for a redirected one (the core opens its log
+    when the rank starts and closes it once the worker has it); a pipe for
+    an unlogged stderr whose tail is kept (``stderr_tail_pipe``);
+    ``fds_per_rank`` per rank (the pidfd, plus what the launch adds); the
+    few of the rank being started, and the I/O thread's own: some slack."""
+    needed = 16 + (FOLLOW_FDS if follow else 0)
     for which, paths, tees in ((0, stdouts, tee_stdouts), (1, stderrs, tee_stderrs)):
         for rank in range(nprocs):
-            if paths.get(rank):
-                needed += 2 if rank in tees else 0
+            path = paths.get(rank)
+            if path:
+                piped = not follow or not followable(stdouts, stderrs, rank)
+                needed += 2 if rank in tees and piped else 0
             elif which == 1 and stderr_tail_pipe:
                 needed += 1
     return needed + fds_per_rank * nprocs
 
 
-def ensure_fd_budget(needed: int, nprocs: int) -> None:
-    """Raise the soft RLIMIT_NOFILE if a launch needs ``needed`` more fds, or
-    fail with a clear error before anything starts (a launch that runs out of
-    fds half-way would have to tear down what it started)."""
+def followable(stdouts: Mapping[int, str], stderrs: Mapping[int, str], rank: int) -> bool:
+    """Whether a rank's teed logs can be followed: not one file for both
+    streams (whose bytes would not say which stream wrote them)."""
+    out, err = stdouts.get(rank), stderrs.get(rank)
+    return not (out and err and os.path.abspath(out) == os.path.abspath(err))
+
+
+def follow_wanted() -> bool | None:
+    """TORCHMP_TEE_TAIL: True (always follow), False (never), None (when
+    the pipes would not fit)."""
+    value = os.environ.get(FOLLOW_ENV, "").strip()
+    if value in ("", "auto"):
+        return None
+    return value not in ("0", "false", "no", "off")
+
+
+def fd_budget_fits(needed: int, limits: tuple[int, int, int] | None) -> bool:
+    """Whether ``needed`` more fds fit the hard RLIMIT_NOFILE (the soft one
+    can be raised to it), given :func:`fd_limits`."""
+    if limits is None:
+        return True
+    in_use, _soft, hard = limits
+    import resource
+
+    return hard == resource.RLIM_INFINITY or needed + in_use <= hard
+
+
+def fd_limits() -> tuple[int, int, int] | None:
+    """(fds in use, soft limit, hard limit), or None where unknown."""
     try:
         import resource
 
@@ -90,7 +128,22 @@ def ensure_fd_budget(needed: int, nprocs: int) -> None:
             # closed again by now.
             in_use = len(os.listdir("/dev/fd")) - 1
     except (ImportError, OSError):
+        return None
+    return in_use, soft, hard
+
+
+def ensure_fd_budget(needed: int, nprocs: int, limits: tuple[int, int, int] | None = None) -> None:
+    """Raise the soft RLIMIT_NOFILE if a launch needs ``needed`` more fds, or
+    fail with a clear error before anything starts (a launch that runs out of
+    fds half-way would have to tear down what it started).  ``limits``: what
+    :func:`fd_limits` said just now (None: ask it)."""
+    if limits is None:
+        limits = fd_limits()
+    if limits is None:
         return
+    import resource
+
+    in_use, soft, hard = limits
     needed += in_use
     if soft == resource.RLIM_INFINITY or needed <= soft:
         return
