@@ -259,6 +259,19 @@ void torchmp_loop_reap_scan(torchmp_loop *L)
 
 /* Start watching a forked worker.  On failure the worker is killed and
  * reaped, and the rank's streams are closed. */
+/* A started rank becomes RUNNING: seen by Python's snapshots, covered by
+ * the keeper, counted in its group. */
+static void proc_mark_running(torchmp_loop *L, torchmp_proc *p, pid_t pid, int64_t start)
+{
+    pthread_mutex_lock(&L->mu);
+    p->info.pid = pid;
+    p->info.state = TORCHMP_PROC_RUNNING;
+    p->info.start_mono_ns = start;
+    p->keeper_slot = torchmp_keeper_add(pid);
+    pthread_mutex_unlock(&L->mu);
+    __atomic_add_fetch(&p->group->running, 1, __ATOMIC_ACQ_REL);
+}
+
 int torchmp_loop_rank_adopt(torchmp_loop *L, torchmp_proc *p, pid_t pid, int by_forkserver, int64_t start,
                             torchmp_spawn_error *err)
 {
@@ -286,13 +299,7 @@ int torchmp_loop_rank_adopt(torchmp_loop *L, torchmp_proc *p, pid_t pid, int by_
         }
     }
 #endif
-    pthread_mutex_lock(&L->mu);
-    p->info.pid = pid;
-    p->info.state = TORCHMP_PROC_RUNNING;
-    p->info.start_mono_ns = start;
-    p->keeper_slot = torchmp_keeper_add(pid);
-    pthread_mutex_unlock(&L->mu);
-    __atomic_add_fetch(&p->group->running, 1, __ATOMIC_ACQ_REL);
+    proc_mark_running(L, p, pid, start);
     if (by_forkserver) {
         /* The worker may have run to completion before we got here: its
          * trailer (or even its channel's EOF) may be in already. */
@@ -315,13 +322,7 @@ int torchmp_loop_rank_adopt_here(torchmp_loop *L, torchmp_proc *p, pid_t pid, in
 
     if (pidfd >= 0) {
         p->pidfd = pidfd;
-        pthread_mutex_lock(&L->mu);
-        p->info.pid = pid;
-        p->info.state = TORCHMP_PROC_RUNNING;
-        p->info.start_mono_ns = start;
-        p->keeper_slot = torchmp_keeper_add(pid);
-        pthread_mutex_unlock(&L->mu);
-        __atomic_add_fetch(&p->group->running, 1, __ATOMIC_ACQ_REL);
+        proc_mark_running(L, p, pid, start);
         if (torchmp_poller_add(L->exits, pidfd, p) == 0)
             return 0;
         err->errnum = errno;

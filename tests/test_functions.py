@@ -623,22 +623,43 @@ def test_a_worker_holds_no_other_ranks_pipe_ends(tmp_path, start_method, monkeyp
     """Every rank's streams are prepared before the first worker starts: a
     worker holding another rank's write ends would delay that rank's EOFs."""
     use_fd_level_std(monkeypatch)
-    ctx = start(tmp_path, fw.pipe_write_ends, {r: () for r in range(3)}, start_method, tee=Std.ALL)
+    go = tmp_path / "go"
+    ctx = start(tmp_path, fw.pipe_write_ends_after, {r: (str(go),) for r in range(3)}, start_method, tee=Std.ALL)
     try:
-        # The launcher's own write ends once every worker has its pipes (the
-        # group's notify pipe on the portable build, for one).
+        # While every worker runs: the launcher's write ends (a fork worker
+        # inherits them) and the read ends of the pipes it drains -- every
+        # rank's stdout, stderr and return channel among them.
         launcher_pipes = set(fw.pipe_write_ends())
+        drained = pipe_read_ends()
+        go.touch()
         result = ctx.wait(30)
     finally:
         ctx.close(signal.SIGKILL, timeout=5)
     assert result is not None and not result.is_failed(), result
-    own = {rank: set(pipes) - launcher_pipes for rank, pipes in result.return_values.items()}
+    # A rank's pipes are those it can write to and the launcher drains (not
+    # its own, and not one the worker made itself after the fork).
+    own = {rank: (set(pipes) - launcher_pipes) & drained for rank, pipes in result.return_values.items()}
     for rank in own:
         # stdout, stderr and the return channel: its own three pipes, no more
         assert len(own[rank]) == 3, (rank, own)
         for other in own:
             if other != rank:
                 assert not own[rank] & own[other], (rank, other, own)
+
+
+def pipe_read_ends() -> set[str]:
+    """The pipes this process can read from (as /proc names)."""
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+            with open(f"/proc/self/fdinfo/{name}") as f:
+                flags = next(int(line.split()[1], 8) for line in f if line.startswith("flags:"))
+        except OSError:
+            continue  # the listing's own fd
+        if target.startswith("pipe:") and flags & os.O_ACCMODE == os.O_RDONLY:
+            found.add(target)
+    return found
 
 
 def _fd_count() -> int:

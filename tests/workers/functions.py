@@ -244,6 +244,14 @@ def pipe_write_ends() -> list[str]:
     return sorted(found)
 
 
+def pipe_write_ends_after(go: str) -> list[str]:
+    """pipe_write_ends() once the file ``go`` exists (the test looks at the
+    launcher meanwhile, with every worker alive)."""
+    while not os.path.exists(go):
+        time.sleep(0.005)
+    return pipe_write_ends()
+
+
 def echo_env_and_return(name: str) -> str:
     """Write an env var to fds 1 and 2; return it."""
     value = os.environ[name]
