@@ -12,6 +12,13 @@
  *   otherwise                 poll(POLLOUT, 0) before each write of at most
  *                             PIPE_BUF bytes (a write that small into a pipe
  *                             with room does not block).
+ * Pipes and terminals (the last three kinds) take whole lines: each write
+ * ends at a line end and is at most PIPE_BUF bytes where the lines allow
+ * (line_chunk), so a write into a pipe is atomic: when the pipe is full it
+ * fails whole instead of leaving half a line, which a launcher that exits
+ * while its console is stalled, or another writer of the same pipe (a
+ * worker that shares the launcher's stderr, the launcher's own messages),
+ * would leave torn for good.
  * Queue consoles have no fd: their takers sleep on one process-wide
  * condition that a queue console posts when bytes start to wait in it.
  */
@@ -34,6 +41,23 @@
 #ifndef MSG_NOSIGNAL
 #define MSG_NOSIGNAL 0
 #endif
+
+/* How many of buf's len bytes to write at once to a pipe or terminal: all of
+ * them when they fit in PIPE_BUF, else up to the last line end within
+ * PIPE_BUF.  A line longer than PIPE_BUF cannot be written atomically; it
+ * goes in one write up to its end (what the target does not take waits in
+ * the backlog, as the rest of a line already on the console). */
+static size_t line_chunk(const char *buf, size_t len)
+{
+    const char *nl;
+    if (len <= PIPE_BUF)
+        return len;
+    nl = memrchr(buf, '\n', PIPE_BUF);
+    if (nl != NULL)
+        return (size_t)(nl + 1 - buf);
+    nl = memchr(buf + PIPE_BUF, '\n', len - PIPE_BUF);
+    return nl != NULL ? (size_t)(nl + 1 - buf) : len;
+}
 
 /* (console_internal.h) */
 ssize_t torchmp_console_write_some(torchmp_console *c, const char *buf, size_t len)
@@ -63,11 +87,14 @@ ssize_t torchmp_console_write_some(torchmp_console *c, const char *buf, size_t l
                 errno = (p.revents & POLLNVAL) ? EBADF : EPIPE;
                 return -1;
             }
-            if (want > PIPE_BUF)
-                want = PIPE_BUF;
+            want = line_chunk(buf + done, want);
             n = write(c->fd, buf + done, want);
             break;
         }
+        case MODE_NONBLOCK:
+            want = line_chunk(buf + done, want);
+            n = write(c->fd, buf + done, want);
+            break;
         default:
             n = write(c->fd, buf + done, want);
             break;

@@ -556,3 +556,48 @@ def test_framer_into_a_pipe_nobody_reads_returns_at_once(backlog):
     assert 0 < left <= bound + len(prefix) + len(lines[0]) + 200
     assert expected.startswith(got) and len(got) > 0
     assert len(got) + left <= len(expected)
+
+
+@pytest.mark.parametrize("filled", [0, 1000, 60001], ids=["empty", "1000-bytes-in", "60001-bytes-in"])
+def test_a_full_pipe_console_holds_only_whole_lines(filled):
+    # A pipe console takes whole lines or nothing: once nobody reads it,
+    # what it holds ends at a line end.  A write that the full pipe cut in
+    # the middle of a line left that line torn for good when the launcher
+    # exited with its console still stalled, and let any other writer of
+    # the pipe (the launcher's own messages, a worker sharing its stderr)
+    # land inside it.  The lines (67 bytes with the prefix) do not divide
+    # the pipe's size, and the pipe may already hold another writer's bytes.
+    # The framer batches lines as the I/O thread does (a scratch buffer).
+    import threading
+
+    lines = [b"line %05d " % i + b"z" * 51 + b"\n" for i in range(3000)]
+    prefix = b"[p]:"
+    expected = b"".join(prefix + line for line in lines)
+    other = b"o" * (filled - 1) + b"\n" if filled else b""
+    r, w = os.pipe()
+    result: list = []
+    try:
+        if other:
+            os.write(w, other)
+        thread = threading.Thread(target=lambda: result.append(
+            _core.frame(w, prefix, [b"".join(lines[:1500]), 0.2, b"".join(lines[1500:])], scratch=1 << 16)),
+            daemon=True)
+        thread.start()
+        thread.join(10)
+        assert not thread.is_alive(), "the framer blocked on a pipe nobody reads"
+        os.set_blocking(r, False)
+        got = b""
+        while True:
+            try:
+                chunk = os.read(r, 1 << 20)
+            except BlockingIOError:
+                break
+            got += chunk
+    finally:
+        os.close(w)
+        os.close(r)
+    assert got.startswith(other)
+    shown = got[len(other):]
+    assert len(shown) > 0 and expected.startswith(shown)
+    assert shown.endswith(b"\n"), f"the pipe console ends in a torn line: {shown[-80:]!r}"
+    assert result[0] > 0
