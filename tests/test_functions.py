@@ -630,7 +630,7 @@ def test_a_worker_holds_no_other_ranks_pipe_ends(tmp_path, start_method, monkeyp
         # inherits them) and the read ends of the pipes it drains -- every
         # rank's stdout, stderr and return channel among them.
         launcher_pipes = set(fw.pipe_write_ends())
-        drained = pipe_read_ends()
+        drained = set(fw.pipe_ends(readable=True))
         go.touch()
         result = ctx.wait(30)
     finally:
@@ -645,21 +645,6 @@ def test_a_worker_holds_no_other_ranks_pipe_ends(tmp_path, start_method, monkeyp
         for other in own:
             if other != rank:
                 assert not own[rank] & own[other], (rank, other, own)
-
-
-def pipe_read_ends() -> set[str]:
-    """The pipes this process can read from (as /proc names)."""
-    found = set()
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-            with open(f"/proc/self/fdinfo/{name}") as f:
-                flags = next(int(line.split()[1], 8) for line in f if line.startswith("flags:"))
-        except OSError:
-            continue  # the listing's own fd
-        if target.startswith("pipe:") and flags & os.O_ACCMODE == os.O_RDONLY:
-            found.add(target)
-    return found
 
 
 def _fd_count() -> int:

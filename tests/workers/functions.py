@@ -229,8 +229,9 @@ def exit_now(code: int = 0):
     os._exit(code)
 
 
-def pipe_write_ends() -> list[str]:
-    """The pipes this worker can write to (as /proc names such as 'pipe:[123]')."""
+def pipe_ends(readable: bool = False) -> list[str]:
+    """The pipes this process can write to, or with ``readable`` read from
+    (as /proc names such as 'pipe:[123]')."""
     found = []
     for name in os.listdir("/proc/self/fd"):
         try:
@@ -239,9 +240,14 @@ def pipe_write_ends() -> list[str]:
                 flags = next(int(line.split()[1], 8) for line in f if line.startswith("flags:"))
         except OSError:
             continue  # the listing's own fd
-        if target.startswith("pipe:") and flags & os.O_ACCMODE != os.O_RDONLY:
+        if target.startswith("pipe:") and (flags & os.O_ACCMODE == os.O_RDONLY) == readable:
             found.append(target)
     return sorted(found)
+
+
+def pipe_write_ends() -> list[str]:
+    """The pipes this worker can write to."""
+    return pipe_ends()
 
 
 def pipe_write_ends_after(go: str) -> list[str]:
