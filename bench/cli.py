@@ -15,7 +15,7 @@ import time
 
 from bench import report, scenarios, subject
 from bench.common import REPO_ROOT, Ctx, set_child_subreaper
-from bench.machine import git_info, machine_info
+from bench.machine import git_info, log_dir_info, machine_info
 from bench.impls import ALL_IMPLS, TORCH_MODULE, resolve, torchmp_module
 
 
@@ -128,6 +128,8 @@ def main(argv=None) -> int:
         else:
             log(f"  {n:<10} UNAVAILABLE: {unavailable[n]}")
     tmp = tempfile.mkdtemp(prefix="torchmp-bench-")
+    log_dirs = log_dir_info(tmp)
+    log(f"bench: log directories under {tmp} ({log_dirs['fstype']}): mkdir {log_dirs['mkdir_us_median']} us")
     ctx = Ctx(impls, unavailable, a.quick, a.repeat, tmp, log)
     results = {}
     try:
@@ -155,6 +157,7 @@ def main(argv=None) -> int:
     mach = machine_info()
     mach["loadavg_at_start"] = load_start
     mach["loadavg_at_end"] = os.getloadavg()
+    mach["log_dirs"] = log_dirs
     tm_mod = torchmp_module()
     doc = {
         "date": date,
@@ -198,6 +201,10 @@ def render(doc, results, chart_path) -> None:
         f"{_load(mach.get('loadavg_at_end'))} at end",
         "versions: " + ", ".join(f"{n} {versions.get(n) or 'unavailable'}" for n in names),
     ]
+    dirs = mach.get("log_dirs")
+    if dirs:
+        header.append(f"log directories: under {dirs['root']}, a {dirs['fstype']} file system ({dirs['source']}): "
+                      f"mkdir {dirs['mkdir_us_median']} us (torch's layout makes 2 + N per launch)")
     subj = doc.get("subject")
     if subj:
         core = f", core {subj['core']}" if subj.get("core") else ""

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 import subprocess
+import time
 from typing import Any
 
 from bench.common import REPO_ROOT
@@ -45,6 +47,55 @@ def machine_info() -> dict[str, Any]:
         "python_impl": platform.python_implementation(),
         "loadavg_at_start": os.getloadavg(),
         "rlimit_nofile": resource.getrlimit(resource.RLIMIT_NOFILE),
+    }
+
+
+def _mount_of(path: str) -> tuple[str, str, str] | None:
+    """(mount point, file system type, source) of the mount that holds path."""
+    path = os.path.realpath(path)
+    best = None
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                point = left.split()[4].replace("\\040", " ")
+                fstype, source = right.split()[:2]
+                inside = path == point or path.startswith(point.rstrip("/") + "/")
+                if inside and (best is None or len(point) >= len(best[0])):
+                    best = (point, fstype, source)
+    except (OSError, IndexError):
+        return None
+    return best
+
+
+def log_dir_info(root: str, count: int = 100) -> dict[str, Any]:
+    """Where the run's log directories live, and what one mkdir costs there:
+    torch's layout (torch and torchmp) makes 2 + N directories per launch of
+    N ranks, the stdlib and floor launchers none unless they write logs, so
+    on a slow file system the launch rows measure it as much as the launchers
+    (bench/README.md, "The log directories")."""
+    mount = _mount_of(root)
+    probe = os.path.join(root, "mkdir-probe")
+    times = []
+    try:
+        os.mkdir(probe)
+        for i in range(count):
+            t0 = time.perf_counter_ns()
+            os.mkdir(os.path.join(probe, str(i)))
+            times.append(time.perf_counter_ns() - t0)
+    except OSError:
+        pass
+    finally:
+        for i in range(len(times)):
+            os.rmdir(os.path.join(probe, str(i)))
+        if os.path.isdir(probe):
+            os.rmdir(probe)
+    return {
+        "root": root,
+        "mount": mount[0] if mount else None,
+        "fstype": mount[1] if mount else None,
+        "source": mount[2] if mount else None,
+        "mkdir_us_median": round(statistics.median(times) / 1e3, 1) if times else None,
     }
 
 

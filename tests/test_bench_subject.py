@@ -76,3 +76,29 @@ def test_bench_subject_search_names_what_is_missing(tmp_path: Path) -> None:
     with pytest.raises(subject.SubjectMissing, match=f"the torchmp at {pkg} has no compiled core"):
         subject.locate([str(tmp_path / "src"), str(SUBJECT_DIR.parent)])
     assert subject.locate([str(SUBJECT_DIR.parent)]) == str(SUBJECT_DIR)
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
+def test_bench_says_where_its_log_directories_live_and_what_a_mkdir_costs(tmp_path: Path) -> None:
+    # torch's layout makes 2 + N directories per launch: the header says what
+    # one costs where the run's log directories are, and leaves nothing there.
+    import json
+    import tempfile
+
+    for root in (Path(tempfile.mkdtemp(dir="/dev/shm")), tmp_path):
+        try:
+            out = subprocess.run(
+                [sys.executable, "-c", "import json, sys; from bench.machine import log_dir_info; "
+                 "print(json.dumps(log_dir_info(sys.argv[1])))", str(root)],
+                cwd=REPO, capture_output=True, text=True, timeout=60, check=True).stdout
+            info = json.loads(out)
+            assert info["root"] == str(root)
+            assert info["mkdir_us_median"] > 0
+            assert list(root.iterdir()) == []
+            if str(root).startswith("/dev/shm/"):
+                assert (info["mount"], info["fstype"]) == ("/dev/shm", "tmpfs")
+            else:
+                assert info["fstype"] and info["source"]
+        finally:
+            if str(root).startswith("/dev/shm/"):
+                shutil.rmtree(root, ignore_errors=True)
