@@ -16,6 +16,7 @@ import re
 import sys
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 try:
     from Cython.Build import cythonize
@@ -74,8 +75,35 @@ C_SOURCES = [
     "csrc/spawn.c", "csrc/framer.c", "csrc/console.c", "csrc/console_target.c", "csrc/poller.c",
     "csrc/loop_streams.c", "csrc/loop_follow.c", "csrc/loop_feeds.c", "csrc/loop_consoles.c", "csrc/loop_reap.c",
     "csrc/loop_groups.c", "csrc/loop_thread.c", "csrc/loop_commands.c", "csrc/command.c", "csrc/notifier.c",
-    "csrc/keeper.c", "csrc/procscan.c", "csrc/bind.c",
+    "csrc/keeper.c", "csrc/keeper_watch.c", "csrc/procscan.c", "csrc/bind.c",
 ]
+# torchmp/_keeper, the program the keeper is exec'd from (csrc/keeper.c says
+# why).  Linux only: elsewhere, and in the portable build, the launcher forks
+# its keeper.
+KEEPER_SOURCES = ["csrc/keeper_main.c", "csrc/keeper_watch.c"]
+BUILD_KEEPER = sys.platform.startswith("linux") and not PORTABLE
+
+
+class BuildExtAndKeeper(build_ext):
+    """build_ext, then torchmp/_keeper next to the built core (in place
+    too), with the core's flags."""
+
+    def run(self):
+        super().run()
+        if BUILD_KEEPER:
+            self.build_keeper()
+
+    def build_keeper(self):
+        out_dir = os.path.dirname(self.get_ext_fullpath("torchmp._core"))
+        target = os.path.join(out_dir, "_keeper")
+        newest = max(os.path.getmtime(os.path.join(HERE, f)) for f in KEEPER_SOURCES + ["csrc/torchmp.h"])
+        if not self.force and os.path.exists(target) and os.path.getmtime(target) >= newest:
+            return
+        objects = self.compiler.compile(
+            KEEPER_SOURCES, output_dir=os.path.join(self.build_temp, "keeper"), macros=define_macros + [(m,) for m in undef_macros],
+            include_dirs=["csrc"], extra_postargs=compile_args)
+        self.compiler.link_executable(objects, "_keeper", output_dir=out_dir, extra_postargs=link_args)
+
 
 extension = Extension(
     "torchmp._core",
@@ -93,6 +121,7 @@ extension = Extension(
 
 setup(
     version=VERSION,
+    cmdclass={"build_ext": BuildExtAndKeeper},
     ext_modules=cythonize(
         [extension],
         compiler_directives=directives,

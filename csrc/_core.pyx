@@ -251,6 +251,19 @@ def keeper_pid():
     return torchmp_keeper_pid()
 
 
+def _set_keeper_helper():
+    # The program the keeper is exec'd from: torchmp/_keeper next to this
+    # module, or TORCHMP_KEEPER_HELPER ("": none, the launcher forks its
+    # keeper; a program that cannot be run has the same effect).
+    path = _os.environ.get("TORCHMP_KEEPER_HELPER")
+    if path is None:
+        path = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "_keeper")
+    check(torchmp_keeper_set_helper(_os.fsencode(path)), b"keeper helper")
+
+
+_set_keeper_helper()
+
+
 def _forget_keeper_after_fork():
     # A forked child must not hold its parent's keeper pipe open: the keeper
     # would miss the parent's death for as long as the child lives.

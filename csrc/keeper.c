@@ -16,12 +16,20 @@
  * launcher's death, however it died.  The keeper then SIGKILLs every group
  * still in the table and exits.
  *
- * The keeper is double-forked (its parent is pid 1 or the nearest
- * subreaper, not the launcher), so it never shows up among the launcher's
- * children, is never reaped by it and never delivers a SIGCHLD to it.  It is
- * in a session of its own, so a Ctrl-C or a hangup aimed at the launcher's
- * terminal does not take it down first.  Between fork and its exit it makes
- * only async-signal-safe calls: the launcher may have any number of threads.
+ * How it starts: exec'd from the small torchmp/_keeper program
+ * (keeper_main.c), with the table in a memfd both map.  A fork of the
+ * launcher would copy its page tables: milliseconds of the launcher's own CPU
+ * on its first launch, more with torch imported.  Where that program cannot
+ * be run (not built: the portable build; a file system mounted noexec; no
+ * memfd), the launcher forks the keeper itself, as before, with the table in
+ * an anonymous shared mapping.  Either way the keeper is the grandchild of the
+ * launcher whose middle process exits at once (its parent is pid 1 or the
+ * nearest subreaper, not the launcher), so it never shows up among the
+ * launcher's children, is never reaped by it and never delivers a SIGCHLD to
+ * it.  It is in a session of its own, so a Ctrl-C or a hangup aimed at the
+ * launcher's terminal does not take it down first (keeper_watch.c).  Between
+ * fork and its exit a forked keeper makes only async-signal-safe calls: the
+ * launcher may have any number of threads.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -31,103 +39,168 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
-#ifdef TORCHMP_HAVE_PDEATHSIG
-#include <sys/prctl.h>
-#endif
-#ifdef TORCHMP_HAVE_CLOSE_RANGE
+#ifdef TORCHMP_HAVE_KEEPER_EXEC
+#include <spawn.h>
 #include <sys/syscall.h>
-#ifndef SYS_close_range
-#define SYS_close_range 436
+#ifndef MFD_CLOEXEC
+#define MFD_CLOEXEC 0x0001U
 #endif
+extern char **environ;
 #endif
 
-/* Slot 0 holds the keeper's pid (written by the intermediate child); slots
- * 1.. hold process-group ids, 0 for a free slot.  256 KiB of address space,
- * touched only as far as it is used. */
-#define KEEPER_SLOTS 65536
+#define KEEPER_SLOTS TORCHMP_KEEPER_SLOTS
+#define TABLE_BYTES TORCHMP_KEEPER_TABLE_BYTES
 
-static int32_t *keeper_table;
+static int32_t *keeper_table;      /* 256 KiB, touched only as far as it is used */
 static int keeper_write_fd = -1;
 static pid_t keeper_owner;         /* the process whose keeper this is */
 static int keeper_hint = 1;        /* where the next free-slot search starts */
+static char *keeper_helper;        /* torchmp/_keeper; NULL: fork the keeper */
 
-static void keeper_close_from(int lowfd, int keep)
+int torchmp_keeper_set_helper(const char *path)
 {
-#ifdef TORCHMP_HAVE_CLOSE_RANGE
-    if (keep > lowfd && syscall(SYS_close_range, lowfd, keep - 1, 0) == 0 &&
-        syscall(SYS_close_range, keep + 1, ~0U, 0) == 0)
-        return;
-#endif
-    for (int fd = lowfd; fd < 65536; fd++) {
-        if (fd != keep)
-            (void)close(fd);
+    char *copy = NULL;
+    if (path != NULL && path[0] != '\0') {
+        copy = strdup(path);
+        if (copy == NULL)
+            return -1;
     }
+    free(keeper_helper);
+    keeper_helper = copy;
+    return 0;
 }
 
-/* The keeper's whole life.  Async-signal-safe calls only. */
-static void keeper_main(int read_fd)
+/* Wait for the keeper's middle process, which exits as soon as the keeper
+ * runs: 0 if the keeper's pid is in slot 0. */
+static int middle_done(pid_t middle, const int32_t *table)
 {
-    char buf[64];
-    sigset_t none;
-    struct sigaction ign;
+    int status;
+    while (waitpid(middle, &status, 0) < 0) {
+        if (errno != EINTR)
+            return -1;
+    }
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0 || __atomic_load_n(&table[0], __ATOMIC_ACQUIRE) <= 0) {
+        errno = EAGAIN;
+        return -1;
+    }
+    return 0;
+}
 
-    memset(&ign, 0, sizeof(ign));
-    ign.sa_handler = SIG_IGN;
-    sigemptyset(&ign.sa_mask);
-    (void)sigaction(SIGINT, &ign, NULL);
-    (void)sigaction(SIGHUP, &ign, NULL);
-    (void)sigaction(SIGTERM, &ign, NULL);
-    (void)sigaction(SIGQUIT, &ign, NULL);
-    (void)sigaction(SIGPIPE, &ign, NULL);
+#ifdef TORCHMP_HAVE_KEEPER_EXEC
+/* The keeper exec'd from torchmp/_keeper: the table in a memfd, the pipe's
+ * read end and the memfd on the fds the program expects.  0 with *table_out
+ * and the pipe's write end, or -1 with errno (the caller forks instead). */
+static int start_exec(int32_t **table_out, int *write_fd)
+{
+    posix_spawn_file_actions_t actions;
+    posix_spawnattr_t attr;
+    sigset_t none, defaults;
+    char *argv[] = {"torchmp-keeper", NULL};
+    int32_t *table = MAP_FAILED;
+    int memfd, p[2] = {-1, -1}, high[2] = {-1, -1}, rc, saved;
+    pid_t middle;
+
+    if (keeper_helper == NULL) {
+        errno = ENOENT;
+        return -1;
+    }
+#ifdef SYS_memfd_create
+    memfd = (int)syscall(SYS_memfd_create, "torchmp-keeper", MFD_CLOEXEC);
+#else
+    memfd = -1; /* kernel headers older than memfd (3.17) */
+    errno = ENOSYS;
+#endif
+    if (memfd < 0)
+        return -1;
+    if (ftruncate(memfd, (off_t)TABLE_BYTES) != 0)
+        goto fail;
+    table = mmap(NULL, TABLE_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, memfd, 0);
+    if (table == MAP_FAILED)
+        goto fail;
+    if (torchmp_pipe_cloexec(p) != 0)
+        goto fail;
+    /* Above the fds the program expects, so that each dup2 below moves an
+     * fd (a dup2 onto itself would keep its close-on-exec flag). */
+    high[0] = fcntl(p[0], F_DUPFD_CLOEXEC, TORCHMP_KEEPER_TABLE_FD + 1);
+    high[1] = fcntl(memfd, F_DUPFD_CLOEXEC, TORCHMP_KEEPER_TABLE_FD + 1);
+    if (high[0] < 0 || high[1] < 0)
+        goto fail;
+    if ((rc = posix_spawn_file_actions_init(&actions)) != 0) {
+        errno = rc;
+        goto fail;
+    }
+    if ((rc = posix_spawnattr_init(&attr)) != 0) {
+        posix_spawn_file_actions_destroy(&actions);
+        errno = rc;
+        goto fail;
+    }
     sigemptyset(&none);
-    (void)sigprocmask(SIG_SETMASK, &none, NULL);
-    (void)setsid();
-#ifdef TORCHMP_HAVE_PDEATHSIG
-    (void)prctl(PR_SET_NAME, (unsigned long)"torchmp-keeper", 0, 0, 0);
-#endif
-    (void)chdir("/");
-    keeper_close_from(0, read_fd);
+    sigemptyset(&defaults);
+    sigaddset(&defaults, SIGCHLD);
+    sigaddset(&defaults, SIGPIPE);
+    rc = posix_spawn_file_actions_adddup2(&actions, high[0], TORCHMP_KEEPER_PIPE_FD);
+    if (rc == 0)
+        rc = posix_spawn_file_actions_adddup2(&actions, high[1], TORCHMP_KEEPER_TABLE_FD);
+    if (rc == 0)
+        rc = posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
+    if (rc == 0)
+        rc = posix_spawnattr_setsigmask(&attr, &none);
+    if (rc == 0)
+        rc = posix_spawnattr_setsigdefault(&attr, &defaults);
+    if (rc == 0)
+        rc = posix_spawn(&middle, keeper_helper, &actions, &attr, argv, environ);
+    posix_spawn_file_actions_destroy(&actions);
+    posix_spawnattr_destroy(&attr);
+    if (rc != 0) {
+        errno = rc;
+        goto fail;
+    }
+    close(p[0]);
+    p[0] = -1;
+    if (middle_done(middle, table) != 0)
+        goto fail;
+    close(high[0]);
+    close(high[1]);
+    close(memfd);
+    *table_out = table;
+    *write_fd = p[1];
+    return 0;
 
-    for (;;) {
-        ssize_t n = read(read_fd, buf, sizeof(buf));
-        if (n == 0)
-            break;                 /* the launcher is gone */
-        if (n < 0 && errno != EINTR && errno != EAGAIN)
-            break;
+fail:
+    saved = errno;
+    for (int i = 0; i < 2; i++) {
+        if (p[i] >= 0)
+            close(p[i]);
+        if (high[i] >= 0)
+            close(high[i]);
     }
-    for (int i = 1; i < KEEPER_SLOTS; i++) {
-        int32_t pgid = __atomic_load_n(&keeper_table[i], __ATOMIC_ACQUIRE);
-        if (pgid > 1)
-            (void)kill(-pgid, SIGKILL);
-    }
-    TORCHMP_COVERAGE_FLUSH();
-    _exit(0);
+    if (table != MAP_FAILED)
+        munmap(table, TABLE_BYTES);
+    close(memfd);
+    errno = saved;
+    return -1;
 }
+#endif
 
-int torchmp_keeper_start(void)
+/* The keeper forked from the launcher, the table in an anonymous shared
+ * mapping: where the program cannot be exec'd. */
+static int start_fork(int32_t **table_out, int *write_fd)
 {
     int p[2];
     pid_t child;
-    int status;
     int32_t *table;
 
-    if (keeper_table != NULL && keeper_owner == getpid())
-        return 0;
-    /* Inherited across fork from a parent launcher: that keeper watches the
-     * parent, and our copy of its pipe would hide the parent's death. */
-    torchmp_keeper_forget();
-
-    table = mmap(NULL, KEEPER_SLOTS * sizeof(int32_t), PROT_READ | PROT_WRITE,
-                 MAP_SHARED | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    table = mmap(NULL, TABLE_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (table == MAP_FAILED)
         return -1;
     if (torchmp_pipe_cloexec(p) != 0) {
         int saved = errno;
-        munmap(table, KEEPER_SLOTS * sizeof(int32_t));
+        munmap(table, TABLE_BYTES);
         errno = saved;
         return -1;
     }
@@ -136,7 +209,7 @@ int torchmp_keeper_start(void)
         int saved = errno;
         close(p[0]);
         close(p[1]);
-        munmap(table, KEEPER_SLOTS * sizeof(int32_t));
+        munmap(table, TABLE_BYTES);
         errno = saved;
         return -1;
     }
@@ -144,28 +217,43 @@ int torchmp_keeper_start(void)
         pid_t keeper;
         (void)close(p[1]);
         keeper = fork();
-        if (keeper == 0) {
-            keeper_table = table;
-            keeper_main(p[0]);
-        }
+        if (keeper == 0)
+            torchmp_keeper_watch(p[0], table);
         __atomic_store_n(&table[0], keeper > 0 ? (int32_t)keeper : -1, __ATOMIC_RELEASE);
         _exit(keeper > 0 ? 0 : 1);
     }
     close(p[0]);
-    while (waitpid(child, &status, 0) < 0) {
-        if (errno != EINTR) {
-            status = -1;
-            break;
-        }
-    }
-    if (status != 0 || __atomic_load_n(&table[0], __ATOMIC_ACQUIRE) <= 0) {
+    if (middle_done(child, table) != 0) {
+        int saved = errno;
         close(p[1]);
-        munmap(table, KEEPER_SLOTS * sizeof(int32_t));
-        errno = EAGAIN;
+        munmap(table, TABLE_BYTES);
+        errno = saved;
         return -1;
     }
+    *table_out = table;
+    *write_fd = p[1];
+    return 0;
+}
+
+int torchmp_keeper_start(void)
+{
+    int32_t *table = NULL;
+    int write_fd = -1;
+
+    if (keeper_table != NULL && keeper_owner == getpid())
+        return 0;
+    /* Inherited across fork from a parent launcher: that keeper watches the
+     * parent, and our copy of its pipe would hide the parent's death. */
+    torchmp_keeper_forget();
+#ifdef TORCHMP_HAVE_KEEPER_EXEC
+    if (start_exec(&table, &write_fd) != 0)
+#endif
+    {
+        if (start_fork(&table, &write_fd) != 0)
+            return -1;
+    }
     keeper_table = table;
-    keeper_write_fd = p[1];
+    keeper_write_fd = write_fd;
     keeper_owner = getpid();
     keeper_hint = 1;
     return 0;

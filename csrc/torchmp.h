@@ -13,7 +13,10 @@
  *   command.c one command outside the groups (torchmp.run), declared in
  *             command.h with notifier.c (one descriptor per event loop) and
  *             loop_commands.c (the I/O thread's side of a command)
- *   keeper.c  the process that kills the workers' groups if the launcher dies
+ *   keeper.c  the process that kills the workers' groups if the launcher dies:
+ *             the launcher's side (its table, starting it); keeper_watch.c
+ *             its life, shared with keeper_main.c, the small program
+ *             (torchmp/_keeper) it is exec'd from
  *   procscan.c which process groups still have a living member (/proc)
  *
  * Conventions (psutil style): functions return 0 / a value on success and -1
@@ -44,6 +47,7 @@
 #define TORCHMP_HAVE_PPOLL 1
 #define TORCHMP_HAVE_BINDING 1     /* sched_setaffinity, set_mempolicy */
 #define TORCHMP_HAVE_INOTIFY 1     /* teed logs followed without an fd each (loop_follow.c) */
+#define TORCHMP_HAVE_KEEPER_EXEC 1 /* the keeper exec'd from torchmp/_keeper (memfd table) */
 #endif
 
 /* Line-coverage builds (setup.py TORCHMP_COVERAGE=1, used by .ci/coverage):
@@ -597,11 +601,27 @@ int torchmp_say(torchmp_console *queue, int fd, const char *data, size_t len);
  * keeper.c: one process per launcher that SIGKILLs the registered process
  * groups when the launcher dies (the EOF of a pipe only the launcher holds).
  */
+/* Slot 0 holds the keeper's pid; slots 1.. hold process-group ids, 0 for a
+ * free slot. */
+#define TORCHMP_KEEPER_SLOTS 65536
+#define TORCHMP_KEEPER_TABLE_BYTES (TORCHMP_KEEPER_SLOTS * sizeof(int32_t))
+/* The fds torchmp/_keeper is started with: the read end of the pipe whose
+ * EOF is the launcher's death, and the memfd that holds the table. */
+#define TORCHMP_KEEPER_PIPE_FD 3
+#define TORCHMP_KEEPER_TABLE_FD 4
+/* The program to exec the keeper from (NULL: fork it from the launcher);
+ * set once at import, before any thread of torchmp's runs. */
+int torchmp_keeper_set_helper(const char *path);
 int torchmp_keeper_start(void);          /* once per process; 0 or -1 with errno */
 void torchmp_keeper_forget(void);        /* in a forked child: let go of the parent's keeper */
 pid_t torchmp_keeper_pid(void);          /* 0 if none */
 int torchmp_keeper_add(pid_t pgid);      /* a slot (0: not covered); any thread */
 void torchmp_keeper_remove(int slot);
+/* keeper_watch.c: the keeper's whole life, in a process of its own: waits
+ * for the EOF on read_fd, SIGKILLs every group in table, _exits.
+ * Async-signal-safe calls only (it may run in a fork of a threaded
+ * launcher). */
+void torchmp_keeper_watch(int read_fd, const int32_t *table) __attribute__((noreturn));
 
 /* ---------------------------------------------------------------------------
  * procscan.c

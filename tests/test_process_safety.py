@@ -449,11 +449,24 @@ def _descendants(pid: int) -> list[int]:
         return []
 
 
-def test_sigkilled_torchmp_run_leaves_no_process_of_any_rank(launcher, tmp_path):
+# How the keeper starts: exec'd from torchmp/_keeper (the default where it
+# is built), or forked from the launcher (TORCHMP_KEEPER_HELPER="", and where
+# the program cannot be run).
+KEEPER_STARTS = [pytest.param("exec", marks=pytest.mark.skipif(
+    _core.PORTABLE_BUILD, reason="the portable build forks its keeper")), "fork"]
+
+
+def _keeper_env(start: str) -> dict[str, str]:
+    return {} if start == "exec" else {"TORCHMP_KEEPER_HELPER": ""}
+
+
+@pytest.mark.parametrize("keeper_start", KEEPER_STARTS)
+def test_sigkilled_torchmp_run_leaves_no_process_of_any_rank(launcher, tmp_path, keeper_start):
     body = (f'sleep 300 & "{sys.executable}" -c "import time; time.sleep(300)" & '
             f'echo up >> "{tmp_path}/up"; wait')
     run = launcher("import sys\nfrom torchmp.__main__ import main\nsys.exit(main())",
-                   "run", "-n", "2", "--log-dir", str(tmp_path / "logs"), "--", "sh", "-c", body)
+                   "run", "-n", "2", "--log-dir", str(tmp_path / "logs"), "--", "sh", "-c", body,
+                   env=_keeper_env(keeper_start))
     try:
         deadline = time.monotonic() + 20
         procs: list[int] = []
@@ -528,19 +541,34 @@ def test_launcher_exit_without_close_closes_the_normal_way(launcher, tmp_path, h
     assert wait_gone(leaders + children, 1.0) == []
 
 
-def test_keeper_is_no_child_of_the_launcher_and_exits_with_it(launcher, tmp_path):
+@pytest.mark.parametrize("helper", ["default", "none", "not-a-program"])
+def test_keeper_is_no_child_of_the_launcher_and_exits_with_it(launcher, tmp_path, helper):
+    # Exec'd from torchmp/_keeper by default (where it is built); forked
+    # from the launcher without it, or when it cannot be run.
+    env = {}
+    if helper == "none":
+        env["TORCHMP_KEEPER_HELPER"] = ""
+    elif helper == "not-a-program":
+        (tmp_path / "keeper").write_text("not a program\n")
+        (tmp_path / "keeper").chmod(0o755)
+        env["TORCHMP_KEEPER_HELPER"] = str(tmp_path / "keeper")
     run = launcher("""
         import sys, time
         from torchmp import _core
         _core.backend()
         print(_core.keeper_pid(), flush=True)
         time.sleep(30)
-    """)
+    """, env=env)
     try:
         line = run.proc.stdout.readline()  # type: ignore[union-attr]
         keeper = int(line)
         assert keeper > 0 and pid_alive(keeper)
         assert keeper not in _descendants(run.proc.pid)
+        program = Path(_core.__file__).with_name("_keeper")
+        if helper == "default" and not _core.PORTABLE_BUILD:
+            assert os.readlink(f"/proc/{keeper}/exe") == str(program.resolve())
+        else:
+            assert os.path.samefile(f"/proc/{keeper}/exe", f"/proc/{run.proc.pid}/exe")
         if not _core.PORTABLE_BUILD:  # naming it takes prctl
             deadline = time.monotonic() + 5  # it names itself just after it starts
             while psutil.Process(keeper).name() != "torchmp-keeper" and time.monotonic() < deadline:
