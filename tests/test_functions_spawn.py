@@ -54,3 +54,16 @@ def test_a_signal_during_the_pickle_check_stops_the_launch_as_a_signal(tmp_path,
         torchmp.start_processes("w", entry, args, {0: {}}, DefaultLogsSpecs(log_dir=str(tmp_path)),
                                 start_method=method)
     assert not any(tmp_path.iterdir())  # refused before anything was made
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_fresh_interpreter_puts_the_directory_holding_torchmp_first_on_its_path(tmp_path, method):
+    # Its `-c` points sys.path[0] at the torchmp the launcher runs (not at
+    # the current directory, where an unbuilt checkout may sit).  It named
+    # the torchmp package's own directory once the launch code moved into
+    # torchmp/_launch/, putting api, numa, redirects... first on the path.
+    from fn_helpers import run
+
+    result = run(tmp_path, fw.interpreter_cmdline, {0: ()}, method)
+    home = os.path.dirname(os.path.dirname(os.path.abspath(torchmp.__file__)))
+    assert f"sys.path[0] = {home!r};" in result.return_values[0]

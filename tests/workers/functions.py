@@ -280,3 +280,10 @@ def placement() -> tuple[str, str, str]:
     with open("/proc/self/numa_maps") as f:
         policy = f.readline().split()[1]
     return cpus("/proc/self/status"), seen[0], policy
+
+
+def interpreter_cmdline() -> str:
+    """The command line of the interpreter this worker runs in (a forkserver
+    worker: its forkserver's)."""
+    with open("/proc/self/cmdline", "rb") as f:
+        return f.read().decode()

@@ -55,7 +55,11 @@ def interpreter_argv(module: str, function: str) -> list[bytes]:
     """
     import subprocess
 
-    home = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    import torchmp
+
+    # The directory that holds the torchmp package (not this module's, which
+    # sits one package deeper).
+    home = os.path.dirname(os.path.dirname(os.path.abspath(torchmp.__file__)))
     code = f"import sys; sys.path[0] = {home!r}; from {module} import {function}; {function}()"
     argv = [os.fsencode(sys.executable)]
     # multiprocessing's own way to pass -X, -W, -O... on; private, so not in typeshed.
