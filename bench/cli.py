@@ -148,6 +148,9 @@ def main(argv=None) -> int:
         log(f"interrupted ({type(e).__name__}): reporting what was measured")
     finally:
         ctx.close()
+        # Again at the end: on some file systems a mkdir gets slower as the
+        # run deletes directories (bench/README.md, "The log directories").
+        log_dirs["mkdir_us_median_at_end"] = log_dir_info(tmp)["mkdir_us_median"]
         if a.keep_tmp:
             log(f"temporary files kept in {tmp}")
         else:
@@ -204,7 +207,8 @@ def render(doc, results, chart_path) -> None:
     dirs = mach.get("log_dirs")
     if dirs:
         header.append(f"log directories: under {dirs['root']}, a {dirs['fstype']} file system ({dirs['source']}): "
-                      f"mkdir {dirs['mkdir_us_median']} us (torch's layout makes 2 + N per launch)")
+                      f"mkdir {dirs['mkdir_us_median']} us at the start, {dirs.get('mkdir_us_median_at_end', '?')} us "
+                      "at the end (torch's layout makes 2 + N per launch)")
     subj = doc.get("subject")
     if subj:
         core = f", core {subj['core']}" if subj.get("core") else ""
