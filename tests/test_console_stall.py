@@ -511,23 +511,20 @@ def test_a_console_that_takes_nothing_for_the_stall_time_has_lines_left_out(stal
     check_console(console, logs, written)
 
 
-@pytest.mark.parametrize("backlog", [0, 10000, None], ids=["backlog-0", "backlog-10000", "default-backlog"])
-def test_framer_into_a_pipe_nobody_reads_returns_at_once(backlog):
-    # The console the I/O thread uses, fed by hand: 2000 lines (132 KB)
-    # into a pipe that holds 64 KiB and is never read.  It must not block;
-    # what waits stays within the bound; the pipe holds the start of the
-    # console, in order.
+def frame_into_unread_pipe(prefix: bytes, chunks: list, before: bytes = b"", **kwargs) -> tuple[bool, int, bytes]:
+    """The console the I/O thread uses, fed by hand (_core.frame) into a
+    pipe that nobody reads while it runs (and that holds ``before`` from
+    another writer): (whether frame() blocked, the bytes it left waiting,
+    what the pipe then holds after ``before``)."""
     import threading
 
-    lines = [b"line %05d " % i + b"y" * 50 + b"\n" for i in range(2000)]
-    prefix = b"[p]:"
-    expected = b"".join(prefix + line for line in lines)
     r, w = os.pipe()
     result: list = []
-    kwargs = {} if backlog is None else {"backlog": backlog}
-    thread = threading.Thread(target=lambda: result.append(
-        _core.frame(w, prefix, [b"".join(lines[:700]), 0.5, b"".join(lines[700:])], **kwargs)), daemon=True)
     try:
+        if before:
+            os.write(w, before)
+        thread = threading.Thread(target=lambda: result.append(_core.frame(w, prefix, chunks, **kwargs)),
+                                  daemon=True)
         thread.start()
         thread.join(10)
         blocked = thread.is_alive()
@@ -548,8 +545,22 @@ def test_framer_into_a_pipe_nobody_reads_returns_at_once(backlog):
     finally:
         os.close(w)
         os.close(r)
+    assert got.startswith(before)
+    return blocked, result[0] if result else -1, got[len(before):]
+
+
+@pytest.mark.parametrize("backlog", [0, 10000, None], ids=["backlog-0", "backlog-10000", "default-backlog"])
+def test_framer_into_a_pipe_nobody_reads_returns_at_once(backlog):
+    # 2000 lines (132 KB) into a pipe that holds 64 KiB and is never read.
+    # It must not block; what waits stays within the bound; the pipe holds
+    # the start of the console, in order.
+    lines = [b"line %05d " % i + b"y" * 50 + b"\n" for i in range(2000)]
+    prefix = b"[p]:"
+    expected = b"".join(prefix + line for line in lines)
+    kwargs = {} if backlog is None else {"backlog": backlog}
+    blocked, left, got = frame_into_unread_pipe(prefix, [b"".join(lines[:700]), 0.5, b"".join(lines[700:])],
+                                                **kwargs)
     assert not blocked, "the framer blocked on a pipe nobody reads"
-    [left] = result
     bound = _core.DEFAULT_CONSOLE_BACKLOG if backlog is None else backlog
     # The bound, plus the rest of a line the pipe took the start of, plus
     # a marker line queued once the backlog had nothing else.
@@ -568,36 +579,13 @@ def test_a_full_pipe_console_holds_only_whole_lines(filled):
     # land inside it.  The lines (67 bytes with the prefix) do not divide
     # the pipe's size, and the pipe may already hold another writer's bytes.
     # The framer batches lines as the I/O thread does (a scratch buffer).
-    import threading
-
     lines = [b"line %05d " % i + b"z" * 51 + b"\n" for i in range(3000)]
     prefix = b"[p]:"
     expected = b"".join(prefix + line for line in lines)
     other = b"o" * (filled - 1) + b"\n" if filled else b""
-    r, w = os.pipe()
-    result: list = []
-    try:
-        if other:
-            os.write(w, other)
-        thread = threading.Thread(target=lambda: result.append(
-            _core.frame(w, prefix, [b"".join(lines[:1500]), 0.2, b"".join(lines[1500:])], scratch=1 << 16)),
-            daemon=True)
-        thread.start()
-        thread.join(10)
-        assert not thread.is_alive(), "the framer blocked on a pipe nobody reads"
-        os.set_blocking(r, False)
-        got = b""
-        while True:
-            try:
-                chunk = os.read(r, 1 << 20)
-            except BlockingIOError:
-                break
-            got += chunk
-    finally:
-        os.close(w)
-        os.close(r)
-    assert got.startswith(other)
-    shown = got[len(other):]
+    blocked, left, shown = frame_into_unread_pipe(
+        prefix, [b"".join(lines[:1500]), 0.2, b"".join(lines[1500:])], before=other, scratch=1 << 16)
+    assert not blocked, "the framer blocked on a pipe nobody reads"
     assert len(shown) > 0 and expected.startswith(shown)
     assert shown.endswith(b"\n"), f"the pipe console ends in a torn line: {shown[-80:]!r}"
-    assert result[0] > 0
+    assert left > 0
