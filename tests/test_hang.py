@@ -23,6 +23,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -504,12 +505,32 @@ def wchan_visible() -> bool:
         p.wait()
 
 
+def _cpu_seconds(process: int | psutil.Process) -> float:
+    """User + system CPU seconds a process has used (0 once it is gone)."""
+    try:
+        times = (process if isinstance(process, psutil.Process) else psutil.Process(process)).cpu_times()
+    except psutil.NoSuchProcess:
+        return 0.0
+    return times.user + times.system
+
+
+def _wait_for_cpu(used: Callable[[], float], seconds: float, timeout: float = 30) -> None:
+    """Wait until used() reaches seconds: on a loaded machine (CI's lanes
+    side by side on two cores) a busy rank gets less than a second of CPU
+    per second."""
+    deadline = time.monotonic() + timeout
+    while used() < seconds:
+        assert time.monotonic() < deadline, f"not {seconds:.2f} CPU seconds in {timeout} s"
+        time.sleep(0.05)
+
+
 def test_sigusr2_prints_where_each_rank_is_and_stops_nothing(launcher, tmp_path):
     (tmp_path / "w.py").write_text(WORKER)
     la = launcher("-n", "3", "--log-dir", str(tmp_path / "logs"), "--", sys.executable, "w.py",
                   cwd=tmp_path, env={"PATH": "/usr/bin:/bin"})  # no py-spy
     la.wait_for(lambda: sum(line.endswith("]:ready") for line in la.out) == 3, 30, "3 ready lines")
-    time.sleep(1.0)  # the busy rank burns CPU
+    time.sleep(1.0)  # every rank's last output is a second old
+    _wait_for_cpu(lambda: max(map(_cpu_seconds, psutil.Process(la.proc.pid).children())), 0.5)
     sent = time.monotonic()
     la.proc.send_signal(signal.SIGUSR2)
     la.wait_for(lambda: any("hang report 1 saved in" in line for line in la.err), 10, "report 1")
@@ -544,8 +565,8 @@ def test_sigusr2_prints_where_each_rank_is_and_stops_nothing(launcher, tmp_path)
     assert TITLE.match(text.splitlines()[0]) and text.splitlines()[1].startswith("rank ")
     assert text.count(f"  {pids[1]}  running  ") == 1
 
-    # A second report: CPU since the first.
-    time.sleep(0.6)
+    # A second report: CPU since the first (0.4 s more of it in the busy rank).
+    _wait_for_cpu(lambda: _cpu_seconds(pids[1]), _cpu_seconds(pids[1]) + 0.4)
     la.proc.send_signal(signal.SIGUSR2)
     la.wait_for(lambda: any("hang report 2 saved in" in line for line in la.err), 10, "report 2")
     title, rows = parse_report(la.err, 2)

@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 import torchmp
-from torchmp import DefaultLogsSpecs, Std
+from torchmp import DefaultLogsSpecs, Std, _aio
 from torchmp._launch.command import GRACE_SECONDS
 
 from helpers import kill_groups, launch, pid_alive, read_pids, wait_gone
@@ -59,7 +59,7 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def _fds_settle(count, expected: int, timeout: float = 2.0) -> int:
+def _fds_settle(count, expected: int, timeout: float = 10.0) -> int:
     """count() once it is expected, or after timeout: the I/O thread lets go
     of a finished command (and so of the notifier it points at) a moment
     after posting that it is done."""
@@ -69,14 +69,15 @@ def _fds_settle(count, expected: int, timeout: float = 2.0) -> int:
     return count()
 
 
+def _is_eventfd(fd: int | str) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[eventfd]"
+    except OSError:
+        return False
+
+
 def _eventfds() -> int:
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            n += os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[eventfd]"
-        except OSError:
-            pass
-    return n
+    return sum(map(_is_eventfd, os.listdir("/proc/self/fd")))
 
 
 # --------------------------------------------------------------------------- run_async
@@ -101,8 +102,17 @@ def test_same_result_and_errors_as_run(arun):
 
 def test_many_in_flight_share_one_descriptor_and_no_thread(arun):
     async def main():
-        # The I/O thread, and uvloop's own wake-up eventfds, exist from here on.
+        # The I/O thread, and uvloop's own wake-up eventfds, exist from here
+        # on; the first command's notifier is gone once the I/O thread lets
+        # go of it (counted with it, the end's count could never match).
+        watch = _aio.acquire()
         await torchmp.run_async(["true"])
+        notifier_fd = watch.fd
+        _aio.release(watch)
+        deadline = time.monotonic() + 10
+        while _is_eventfd(notifier_fd):
+            assert time.monotonic() < deadline, "the I/O thread kept the notifier for 10 s"
+            await asyncio.sleep(0.01)
         threads, eventfds = _threads(), _eventfds()
         seen = {"threads": 0, "eventfds": 0}
         sem = asyncio.Semaphore(32)
@@ -120,7 +130,7 @@ def test_many_in_flight_share_one_descriptor_and_no_thread(arun):
         assert seen["eventfds"] <= eventfds + 1, seen  # one notifier for the loop
         # Gone once nothing waits (the I/O thread lets go of the last
         # command a moment after posting that it is done).
-        deadline = time.monotonic() + 2
+        deadline = time.monotonic() + 10
         while _eventfds() != eventfds and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         assert _eventfds() == eventfds
