@@ -108,32 +108,12 @@ static void map_remove(torchmp_loop *L, stream *s)
 
 static void dirty_add(torchmp_loop *L, stream *s)
 {
-    if (s->follow_dirty)
-        return;
-    s->follow_dirty = 1;
-    s->follow_next = NULL;
-    s->follow_prev = L->follow_dirty_tail;
-    if (L->follow_dirty_tail != NULL)
-        L->follow_dirty_tail->follow_next = s;
-    else
-        L->follow_dirty = s;
-    L->follow_dirty_tail = s;
+    torchmp_stream_list_append(&L->follow_dirty, s);
 }
 
 static void dirty_remove(torchmp_loop *L, stream *s)
 {
-    if (!s->follow_dirty)
-        return;
-    if (s->follow_prev != NULL)
-        s->follow_prev->follow_next = s->follow_next;
-    else
-        L->follow_dirty = s->follow_next;
-    if (s->follow_next != NULL)
-        s->follow_next->follow_prev = s->follow_prev;
-    else
-        L->follow_dirty_tail = s->follow_prev;
-    s->follow_dirty = 0;
-    s->follow_prev = s->follow_next = NULL;
+    torchmp_stream_list_remove(&L->follow_dirty, s);
 }
 
 /* ---- reading ------------------------------------------------------------ */
@@ -194,15 +174,15 @@ static void follow_lost(torchmp_loop *L, stream *s)
 void torchmp_loop_follow_pump(torchmp_loop *L)
 {
     stream *s, *last;
-    if (L->follow_dirty == NULL)
+    if (L->follow_dirty.head == NULL)
         return;
     if (L->follow_retry_ns != 0) {
         if (clock_ns(CLOCK_MONOTONIC) < L->follow_retry_ns)
             return;
         L->follow_retry_ns = 0;
     }
-    last = L->follow_dirty_tail; /* the ones that go round again come after it */
-    while ((s = L->follow_dirty) != NULL) {
+    last = L->follow_dirty.tail; /* the ones that go round again come after it */
+    while ((s = L->follow_dirty.head) != NULL) {
         int r = follow_read(L, s, FOLLOW_ROUNDS, 0);
         if (r == -1) {
             L->follow_retry_ns = clock_ns(CLOCK_MONOTONIC) + FOLLOW_RETRY_NS;
@@ -270,7 +250,7 @@ void torchmp_loop_follow_event(torchmp_loop *L)
 int torchmp_loop_follow_timeout_ms(torchmp_loop *L)
 {
     int64_t left;
-    if (L->follow_dirty == NULL)
+    if (L->follow_dirty.head == NULL)
         return -1;
     if (L->follow_retry_ns == 0)
         return 0;
@@ -369,26 +349,9 @@ int torchmp_loop_follow_open(torchmp_loop *L, stream *s, const torchmp_stream_sp
     s->follow_ino = st.st_ino;
     s->follow_off = 0;
     s->log_fd = -1;
-    s->prefix = malloc(spec->prefix_len + 1);
-    if (s->prefix == NULL)
+    /* The worker's fd stands in for the log the feed reads back. */
+    if (torchmp_loop_stream_tee_init(L, s, spec, fd) != 0)
         goto fail_mapped;
-    if (spec->prefix_len > 0)
-        memcpy(s->prefix, spec->prefix, spec->prefix_len);
-    s->prefix[spec->prefix_len] = '\0';
-    torchmp_framer_init(&s->framer, s->prefix, spec->prefix_len, MAX_LINE);
-    s->framer.timestamps = spec->timestamps;
-    if (spec->sink != NULL || spec->console == 1 || spec->console == 2) {
-        /* The worker's fd stands in for the log the feed reads back. */
-        s->feed = torchmp_loop_feed_open(L, s, spec, fd);
-        if (s->feed == NULL)
-            goto fail_mapped;
-    }
-    if (spec->tail_bytes > 0) {
-        s->tail = malloc(spec->tail_bytes);
-        if (s->tail == NULL)
-            goto fail_mapped;
-        s->tail_cap = spec->tail_bytes;
-    }
     pthread_mutex_lock(&L->mu);
     s->open = 1;
     pthread_mutex_unlock(&L->mu);

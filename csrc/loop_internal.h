@@ -36,6 +36,7 @@
 #include "torchmp.h"
 
 #include <pthread.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <time.h>
 #include <unistd.h>
@@ -142,6 +143,19 @@ typedef struct said {
 
 typedef struct torchmp_proc torchmp_proc;
 
+/* A stream's place on one of the loop's lists of streams (the timed ones,
+ * the followed ones whose log grew; loop thread only): intrusive, so joining
+ * and leaving allocate nothing and cost O(1) (loop_streams.c). */
+typedef struct stream_link {
+    struct stream *prev, *next;
+    int on;                    /* on the list */
+} stream_link;
+
+typedef struct stream_list {
+    struct stream *head, *tail;
+    size_t link;               /* offsetof(stream, the member that is its stream_link) */
+} stream_list;
+
 typedef struct stream {
     int kind;                  /* WATCH_STREAM: first member, for dispatch */
     int fd;                    /* pipe read end; -1 when not teed or closed */
@@ -151,9 +165,7 @@ typedef struct stream {
     char *prefix;
     torchmp_framer framer;     /* the filtered copy's framing (filters only) */
     feed *feed;                /* TEE with a console */
-    /* on L->timed while a framer has a deadline (loop thread) */
-    struct stream *timed_prev, *timed_next;
-    int timed;
+    stream_link timed;         /* on L->timed while a framer has a deadline */
     /* STREAM_RET, the return channel: the bytes read so far (mu: Python
      * takes them) */
     char *ret_buf;
@@ -174,9 +186,11 @@ typedef struct stream {
     dev_t follow_dev;
     ino_t follow_ino;
     uint64_t follow_off;       /* bytes read so far */
-    int follow_dirty;          /* on L->follow_dirty: bytes may wait */
-    struct stream *follow_prev, *follow_next;
+    stream_link follow_dirty;  /* on L->follow_dirty: bytes may wait */
 } stream;
+
+/* The list's ends start empty; link names the member (timed, follow_dirty). */
+#define STREAM_LIST_INIT(member) ((stream_list){NULL, NULL, offsetof(stream, member)})
 
 enum { STREAM_OUT = 0, STREAM_ERR = 1, STREAM_RET = 2, STREAM_COUNT = 3 };
 
@@ -294,7 +308,7 @@ typedef struct torchmp_loop {
     int catch_up_more;         /* catching up was cut short: poll again at once */
     /* streams whose framer has a deadline, and the earliest (a lower bound
      * once streams leave the list: waking early costs one pass) */
-    struct stream *timed;
+    stream_list timed;
     int64_t next_deadline_ns;
     uint64_t stream_serial;
     int consoles_polled;       /* some console waits on a timer, not the poller */
@@ -307,7 +321,7 @@ typedef struct torchmp_loop {
     int inotify_fd;
     stream **follow_map;       /* open addressing by watch descriptor */
     size_t follow_map_cap, follow_count;
-    stream *follow_dirty, *follow_dirty_tail;
+    stream_list follow_dirty;  /* followed logs that may have bytes to read, in turn */
     int64_t follow_retry_ns;   /* out of fds: read again then (0: not waiting) */
 } torchmp_loop;
 
@@ -389,6 +403,10 @@ void torchmp_loop_stream_pump(torchmp_loop *L, stream *s, long limit);
 void torchmp_loop_stream_drain_buffered(torchmp_loop *L, stream *s);
 void torchmp_loop_stream_close(torchmp_loop *L, stream *s);
 void torchmp_loop_stream_free(torchmp_loop *L, stream *s);
+int torchmp_loop_stream_tee_init(torchmp_loop *L, stream *s, const torchmp_stream_spec *spec, int feed_fd);
+/* Join (at the tail; no-op if on it) or leave one of the loop's stream lists. */
+void torchmp_stream_list_append(stream_list *list, stream *s);
+void torchmp_stream_list_remove(stream_list *list, stream *s);
 void torchmp_loop_streams_tick(torchmp_loop *L);
 int torchmp_loop_streams_timeout_ms(torchmp_loop *L);
 /* A framer of s may have a deadline now: (re)arm its timer. */

@@ -30,35 +30,48 @@ static int64_t stream_deadline(const stream *s)
     return d;
 }
 
-static void timed_remove(torchmp_loop *L, stream *s)
+#define LINK(list, s) ((stream_link *)((char *)(s) + (list)->link))
+
+void torchmp_stream_list_append(stream_list *list, stream *s)
 {
-    if (!s->timed)
+    stream_link *link = LINK(list, s);
+    if (link->on)
         return;
-    if (s->timed_prev != NULL)
-        s->timed_prev->timed_next = s->timed_next;
+    link->on = 1;
+    link->next = NULL;
+    link->prev = list->tail;
+    if (list->tail != NULL)
+        LINK(list, list->tail)->next = s;
     else
-        L->timed = s->timed_next;
-    if (s->timed_next != NULL)
-        s->timed_next->timed_prev = s->timed_prev;
-    s->timed = 0;
-    s->timed_prev = s->timed_next = NULL;
+        list->head = s;
+    list->tail = s;
+}
+
+void torchmp_stream_list_remove(stream_list *list, stream *s)
+{
+    stream_link *link = LINK(list, s);
+    if (!link->on)
+        return;
+    if (link->prev != NULL)
+        LINK(list, link->prev)->next = link->next;
+    else
+        list->head = link->next;
+    if (link->next != NULL)
+        LINK(list, link->next)->prev = link->prev;
+    else
+        list->tail = link->prev;
+    link->on = 0;
+    link->prev = link->next = NULL;
 }
 
 void torchmp_loop_stream_rearm(torchmp_loop *L, stream *s)
 {
     int64_t d = stream_deadline(s);
     if (d == 0) {
-        timed_remove(L, s);
+        torchmp_stream_list_remove(&L->timed, s);
         return;
     }
-    if (!s->timed) {
-        s->timed = 1;
-        s->timed_prev = NULL;
-        s->timed_next = L->timed;
-        if (L->timed != NULL)
-            L->timed->timed_prev = s;
-        L->timed = s;
-    }
+    torchmp_stream_list_append(&L->timed, s);
     if (L->next_deadline_ns == 0 || d < L->next_deadline_ns)
         L->next_deadline_ns = d;
 }
@@ -165,7 +178,7 @@ static void stream_flush_partial(torchmp_loop *L, stream *s)
     }
     if (s->feed != NULL)
         torchmp_loop_feed_flush(L, s->feed);
-    timed_remove(L, s);
+    torchmp_stream_list_remove(&L->timed, s);
 }
 
 /* The framers whose time has come: idle partial lines, progress states. */
@@ -176,11 +189,11 @@ void torchmp_loop_streams_tick(torchmp_loop *L)
     if (L->next_deadline_ns == 0 || now < L->next_deadline_ns)
         return;
     L->next_deadline_ns = 0;
-    for (s = L->timed; s != NULL; s = next) {
+    for (s = L->timed.head; s != NULL; s = next) {
         int64_t d;
         int avail = 0;
-        next = s->timed_next;
-        if ((s->fd >= 0 && ioctl(s->fd, FIONREAD, &avail) == 0 && avail > 0) || s->follow_dirty) {
+        next = s->timed.next;
+        if ((s->fd >= 0 && ioctl(s->fd, FIONREAD, &avail) == 0 && avail > 0) || s->follow_dirty.on) {
             /* Bytes wait in the pipe: the worker was not idle, the loop was
              * busy.  They are read first (the fd is readable, or the log
              * is on the list of grown ones: the next round comes at once),
@@ -199,7 +212,7 @@ void torchmp_loop_streams_tick(torchmp_loop *L)
             torchmp_loop_feed_tick(L, s->feed, now);
         d = stream_deadline(s);
         if (d == 0)
-            timed_remove(L, s);
+            torchmp_stream_list_remove(&L->timed, s);
         else if (L->next_deadline_ns == 0 || d < L->next_deadline_ns)
             L->next_deadline_ns = d;
     }
@@ -315,7 +328,7 @@ void torchmp_loop_stream_drain_buffered(torchmp_loop *L, stream *s)
 
 void torchmp_loop_stream_free(torchmp_loop *L, stream *s)
 {
-    timed_remove(L, s);
+    torchmp_stream_list_remove(&L->timed, s);
     torchmp_framer_free(&s->framer);
     if (s->feed != NULL) {
         torchmp_loop_feed_release(L, s->feed);
@@ -359,6 +372,33 @@ fail:
     return -1;
 }
 
+/* A teed stream's framing, console feed (which reads feed_fd back) and
+ * stderr tail, as its spec asks: the same for a piped and a followed
+ * stream.  On failure (errno set) the caller frees the stream. */
+int torchmp_loop_stream_tee_init(torchmp_loop *L, stream *s, const torchmp_stream_spec *spec, int feed_fd)
+{
+    s->prefix = malloc(spec->prefix_len + 1);
+    if (s->prefix == NULL)
+        return -1;
+    if (spec->prefix_len > 0)
+        memcpy(s->prefix, spec->prefix, spec->prefix_len);
+    s->prefix[spec->prefix_len] = '\0';
+    torchmp_framer_init(&s->framer, s->prefix, spec->prefix_len, MAX_LINE);
+    s->framer.timestamps = spec->timestamps;
+    if (spec->sink != NULL || spec->console == 1 || spec->console == 2) {
+        s->feed = torchmp_loop_feed_open(L, s, spec, feed_fd);
+        if (s->feed == NULL)
+            return -1;
+    }
+    if (spec->tail_bytes > 0) {
+        s->tail = malloc(spec->tail_bytes);
+        if (s->tail == NULL)
+            return -1;
+        s->tail_cap = spec->tail_bytes;
+    }
+    return 0;
+}
+
 int torchmp_loop_stream_open(torchmp_loop *L, torchmp_proc *p, int which, const torchmp_stream_spec *spec,
                              int *child_fd)
 {
@@ -400,25 +440,8 @@ int torchmp_loop_stream_open(torchmp_loop *L, torchmp_proc *p, int which, const 
             if (s->log_fd < 0)
                 goto fail;
         }
-        s->prefix = malloc(spec->prefix_len + 1);
-        if (s->prefix == NULL)
+        if (torchmp_loop_stream_tee_init(L, s, spec, s->log_fd) != 0)
             goto fail;
-        if (spec->prefix_len > 0)
-            memcpy(s->prefix, spec->prefix, spec->prefix_len);
-        s->prefix[spec->prefix_len] = '\0';
-        torchmp_framer_init(&s->framer, s->prefix, spec->prefix_len, MAX_LINE);
-        s->framer.timestamps = spec->timestamps;
-        if (spec->sink != NULL || spec->console == 1 || spec->console == 2) {
-            s->feed = torchmp_loop_feed_open(L, s, spec, s->log_fd);
-            if (s->feed == NULL)
-                goto fail;
-        }
-        if (spec->tail_bytes > 0) {
-            s->tail = malloc(spec->tail_bytes);
-            if (s->tail == NULL)
-                goto fail;
-            s->tail_cap = spec->tail_bytes;
-        }
     }
     if (torchmp_poller_add(L->poller, pfd[0], s) != 0)
         goto fail;

@@ -320,6 +320,8 @@ static torchmp_loop *loop_create(void)
     L->owner_pid = getpid();
     L->wake_r = L->wake_w = -1;
     L->inotify_fd = -1;
+    L->timed = STREAM_LIST_INIT(timed);
+    L->follow_dirty = STREAM_LIST_INIT(follow_dirty);
     L->backend = torchmp_backend_choice();
     L->pipe_budget = PIPE_GROWTH_BUDGET;
     L->max_fd = sysconf(_SC_OPEN_MAX);
