@@ -243,9 +243,15 @@ def test_library_kill_on_bad_exit_checked_before_anything_starts(tmp_path):
 # ---------------------------------------------------------------------------
 # --max-restarts
 
+# Rank 1 fails its first $0 attempts, once rank 0 has said its line (in the
+# working directory, tmp_path, a file per attempt says so): on a loaded
+# machine the fail-fast SIGTERM could otherwise reach rank 0 before its echo.
 FAIL_ONCE = (
     'echo "rank $RANK attempt $TORCHELASTIC_RESTART_COUNT of $TORCHELASTIC_MAX_RESTARTS"; '
-    'if [ "$RANK" = 1 ] && [ "$TORCHELASTIC_RESTART_COUNT" -lt "$0" ]; then exit 3; fi; '
+    'said="said.$TORCHELASTIC_RESTART_COUNT"; '
+    'if [ "$RANK" = 0 ]; then : > "$said"; fi; '
+    'if [ "$RANK" = 1 ] && [ "$TORCHELASTIC_RESTART_COUNT" -lt "$0" ]; then '
+    'i=0; while [ ! -e "$said" ] && [ $i -lt 600 ]; do sleep 0.05; i=$((i + 1)); done; exit 3; fi; '
     'sleep 0.3')
 
 
