@@ -147,6 +147,13 @@ def test_library_subreaper_must_be_a_bool(tmp_path):
     assert not torchmp._core.is_child_subreaper()  # checked before anything was set
 
 
+def _is_zombie(p: psutil.Process) -> bool:
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:  # reaped since it was listed: not a zombie
+        return False
+
+
 @needs_subreaper
 def test_reparented_processes_that_exit_during_the_run_are_reaped_meanwhile(tmp_path):
     # Each rank leaves three short-lived orphans (their shell exits first),
@@ -160,7 +167,7 @@ def test_reparented_processes_that_exit_during_the_run_are_reaped_meanwhile(tmp_
         deadline = time.monotonic() + 7
         zombies = None
         while time.monotonic() < deadline:
-            zombies = [p.pid for p in launcher.children() if p.status() == psutil.STATUS_ZOMBIE]
+            zombies = [p.pid for p in launcher.children() if _is_zombie(p)]
             if not zombies and time.monotonic() > deadline - 6:  # reaped (after at most one sweep)
                 break
             time.sleep(0.1)
