@@ -167,9 +167,15 @@ INTERRUPTED_LAUNCH = """
             try:
                 if "forkserver" not in " ".join(server.cmdline()):
                     continue
-                found += [p for p in server.children() if p.status() != psutil.STATUS_ZOMBIE]
+                workers = server.children()
             except psutil.Error:
-                pass
+                continue
+            for p in workers:  # one gone meanwhile must not hide the others
+                try:
+                    if p.status() != psutil.STATUS_ZOMBIE:
+                        found.append(p)
+                except psutil.Error:
+                    pass
         return found
 
     launch("warm").close()  # the server is up: the signals land in the forks
