@@ -505,10 +505,10 @@ def wchan_visible() -> bool:
         p.wait()
 
 
-def _cpu_seconds(process: int | psutil.Process) -> float:
+def _cpu_seconds(pid: int) -> float:
     """User + system CPU seconds a process has used (0 once it is gone)."""
     try:
-        times = (process if isinstance(process, psutil.Process) else psutil.Process(process)).cpu_times()
+        times = psutil.Process(pid).cpu_times()
     except psutil.NoSuchProcess:
         return 0.0
     return times.user + times.system
@@ -530,7 +530,7 @@ def test_sigusr2_prints_where_each_rank_is_and_stops_nothing(launcher, tmp_path)
                   cwd=tmp_path, env={"PATH": "/usr/bin:/bin"})  # no py-spy
     la.wait_for(lambda: sum(line.endswith("]:ready") for line in la.out) == 3, 30, "3 ready lines")
     time.sleep(1.0)  # every rank's last output is a second old
-    _wait_for_cpu(lambda: max(map(_cpu_seconds, psutil.Process(la.proc.pid).children())), 0.5)
+    _wait_for_cpu(lambda: max(_cpu_seconds(p.pid) for p in psutil.Process(la.proc.pid).children()), 0.5)
     sent = time.monotonic()
     la.proc.send_signal(signal.SIGUSR2)
     la.wait_for(lambda: any("hang report 1 saved in" in line for line in la.err), 10, "report 1")

@@ -69,6 +69,14 @@ def _fds_settle(count, expected: int, timeout: float = 10.0) -> int:
     return count()
 
 
+async def _settle_async(count, expected, timeout: float = 10.0):
+    """_fds_settle for a coroutine: the loop keeps running while it waits."""
+    deadline = time.monotonic() + timeout
+    while count() != expected and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    return count()
+
+
 def _is_eventfd(fd: int | str) -> bool:
     try:
         return os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[eventfd]"
@@ -109,10 +117,7 @@ def test_many_in_flight_share_one_descriptor_and_no_thread(arun):
         await torchmp.run_async(["true"])
         notifier_fd = watch.fd
         _aio.release(watch)
-        deadline = time.monotonic() + 10
-        while _is_eventfd(notifier_fd):
-            assert time.monotonic() < deadline, "the I/O thread kept the notifier for 10 s"
-            await asyncio.sleep(0.01)
+        assert not await _settle_async(lambda: _is_eventfd(notifier_fd), False), "the I/O thread kept the notifier"
         threads, eventfds = _threads(), _eventfds()
         seen = {"threads": 0, "eventfds": 0}
         sem = asyncio.Semaphore(32)
@@ -130,10 +135,7 @@ def test_many_in_flight_share_one_descriptor_and_no_thread(arun):
         assert seen["eventfds"] <= eventfds + 1, seen  # one notifier for the loop
         # Gone once nothing waits (the I/O thread lets go of the last
         # command a moment after posting that it is done).
-        deadline = time.monotonic() + 10
-        while _eventfds() != eventfds and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        assert _eventfds() == eventfds
+        assert await _settle_async(_eventfds, eventfds) == eventfds
 
     arun(main())
 
