@@ -12,6 +12,7 @@ from libc.stdint cimport int64_t, uint64_t
 from cpython.buffer cimport PyBuffer_FillInfo
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memchr, memcpy, memset, strerror
+from posix.resource cimport getrlimit, rlimit, RLIMIT_NOFILE, RLIM_INFINITY
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 from posix.unistd cimport getpid, fork, close as c_close, _exit, write as c_write
 
@@ -276,6 +277,16 @@ _os.register_at_fork(after_in_child=_forget_keeper_after_fork)
 def open_fd_count():
     """How many fds this process has open (OSError where /proc cannot say)."""
     return check(torchmp_open_fd_count(), b"counting /proc/self/fd")
+
+
+def nofile_limits():
+    """RLIMIT_NOFILE as (soft, hard), -1 for no limit (RLIM_INFINITY).  Every
+    launch asks; reading it here spares a program's first launch importing
+    resource (a search of sys.path and a dlopen)."""
+    cdef rlimit lim
+    check(getrlimit(RLIMIT_NOFILE, &lim), b"getrlimit(RLIMIT_NOFILE)")
+    return (-1 if lim.rlim_cur == RLIM_INFINITY else <long long>lim.rlim_cur,
+            -1 if lim.rlim_max == RLIM_INFINITY else <long long>lim.rlim_max)
 
 
 include "specs.pxi"

@@ -13,6 +13,8 @@ from unittest import mock
 import torchmp
 from torchmp import DefaultLogsSpecs, api
 
+from helpers import run_launcher
+
 ROOT = Path(torchmp.__file__).parent
 
 #: The one edge allowed to close a cycle (api -> _native -> _pcontext -> api),
@@ -183,3 +185,38 @@ def test_start_off_the_main_thread_as_api_threading_says_warns_through_api_logge
     fake_logger.warning.assert_called_once_with(
         "Failed to register signal handlers since torchelastic is running on a child thread. "
         "This could lead to orphaned worker processes if the torchrun is terminated.")
+
+
+def test_a_launch_imports_no_module_of_its_own(tmp_path):
+    # A program's first launch pays for every module it imports (a search of
+    # sys.path, a dlopen for an extension): what a binary launch, its
+    # failure report and run() need comes with the names themselves.
+    result = run_launcher(f"""
+        import sys, torchmp
+        from torchmp import DefaultLogsSpecs, Std, run, start_processes
+        before = set(sys.modules)
+        specs = DefaultLogsSpecs(log_dir={str(tmp_path)!r}, redirects=Std.ERR, tee=Std.OUT)
+        ctx = start_processes("w", "sh", {{0: ("-c", "echo out"), 1: ("-c", "exit 3")}}, {{0: {{}}, 1: {{}}}}, specs)
+        result = ctx.wait(30)
+        ctx.close()
+        assert result.is_failed() and result.failures[1].exitcode == 3, result
+        assert run(["sh", "-c", "echo hi"], capture_output=True, timeout=30).stdout == b"hi\\n"
+        print("new:", sorted(set(sys.modules) - before))
+    """)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == b"new: []", result.stdout
+
+
+def test_run_does_not_import_asyncio_or_the_group_launchers():
+    # A program that only runs commands (an agent's tool, a build step)
+    # must not pay for asyncio's import (tens of milliseconds) or for the
+    # launchers of rank groups.
+    result = run_launcher("""
+        import sys
+        from torchmp import run
+        assert run(["true"]).returncode == 0
+        print(sorted(m for m in ("asyncio", "dataclasses", "pickle", "tempfile", "logging",
+                                 "torchmp._aio", "torchmp._launch.exec", "torchmp._native") if m in sys.modules))
+    """)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == b"[]\n", result.stdout

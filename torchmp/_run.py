@@ -21,7 +21,7 @@ import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from torchmp import _aio, _core
+from torchmp import _core
 from torchmp._launch import command as _command
 from torchmp._launch.command import GRACE_SECONDS as GRACE_SECONDS
 
@@ -243,6 +243,10 @@ async def run_async(args: Any, *, stdin: Any = None, input: Any = None, stdout: 
     asyncio a second cancellation meanwhile sends SIGKILL at once (under
     trio the cleanup is shielded).
     """
+    # Here, not at the top: importing asyncio costs a program that only
+    # calls run() tens of milliseconds.
+    from torchmp import _aio
+
     call = _Call(args, stdin, input, stdout, stderr, capture_output, shell, cwd, timeout, check, encoding, errors,
                  text, env, universal_newlines, executable, pass_fds, max_output, popen_kwargs)
     watch = _aio.acquire()

@@ -28,8 +28,10 @@ strategy        used for                    how a process starts
 
 A worker's own side (the payload a spawned interpreter reads, running the
 function, sending its return value back) is :mod:`torchmp._launch.worker`;
-its environment is built by :mod:`torchmp._launch.env` and its streams are
-the records of :mod:`torchmp._launch.streams`.
+its environment is built by :mod:`torchmp._launch.env`, its streams are
+the records of :mod:`torchmp._launch.streams`, and what it reads on stdin
+(a payload, a command's ``input``) is a file of
+:mod:`torchmp._launch.payload`.
 
 Every group strategy has multiprocessing's shape for its start methods
 (``popen_fork``, ``popen_spawn_posix``, ``popen_forkserver``): an object

@@ -21,11 +21,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Generator, Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from torchmp import _core, _shutdown
-from torchmp._launch.exec import payload_file
+from torchmp._launch.payload import payload_file
 
 #: After SIGTERM, how long a command's process group gets to empty before
 #: SIGKILL (a timeout, what a finished command left behind, a cancellation).
@@ -149,23 +148,30 @@ def check_timeout(timeout: object) -> float | None:
     return float(timeout)
 
 
-@dataclass
 class Plan:
-    """One command, checked and wired, ready to start."""
+    """One command, checked and wired, ready to start.  (A plain class, not
+    a dataclass: importing dataclasses would cost ``import torchmp.run``
+    more than the rest of it.)"""
 
-    program: bytes             # a path, or a name searched on search_path
-    argv: list[bytes]
-    envp: list[bytes] | None   # None: this process's environment
-    search_path: bytes | None
-    cwd: bytes | None
-    stdin: int                 # an fd, or _core.IO_INHERIT
-    stdout: int                # an fd, IO_INHERIT or IO_PIPE
-    stderr: int                # also IO_STDOUT
-    pass_fds: tuple[int, ...]
-    max_output: int            # -1: no bound
-    filename: Any              # what an exec failure names
-    cwd_name: Any              # what a chdir failure names
-    opened: list[int] = field(default_factory=list)  # ours, closed once started
+    __slots__ = ("program", "argv", "envp", "search_path", "cwd", "stdin", "stdout", "stderr", "pass_fds",
+                 "max_output", "filename", "cwd_name", "opened")
+
+    def __init__(self, program: bytes, argv: list[bytes], envp: list[bytes] | None, search_path: bytes | None,
+                 cwd: bytes | None, stdin: int, stdout: int, stderr: int, pass_fds: tuple[int, ...],
+                 max_output: int, filename: Any, cwd_name: Any) -> None:
+        self.program = program          # a path, or a name searched on search_path
+        self.argv = argv
+        self.envp = envp                # None: this process's environment
+        self.search_path = search_path
+        self.cwd = cwd
+        self.stdin = stdin              # an fd, or _core.IO_INHERIT
+        self.stdout = stdout            # an fd, IO_INHERIT or IO_PIPE
+        self.stderr = stderr            # also IO_STDOUT
+        self.pass_fds = pass_fds
+        self.max_output = max_output    # -1: no bound
+        self.filename = filename        # what an exec failure names
+        self.cwd_name = cwd_name        # what a chdir failure names
+        self.opened: list[int] = []     # ours, closed once started
 
     def start(self) -> _core.Command:
         return _core.start_command(

@@ -11,7 +11,6 @@ import os
 import pickle
 import stat
 import sys
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 from torchmp import _core
 from torchmp._launch import Launch, worker
 from torchmp._launch.env import exec_env, launcher_environ
+from torchmp._launch.payload import payload_file
 from torchmp._launch.streams import NO_STREAM, RETURN_CHANNEL, RankStreams
 from torchmp._signals import SignalException
 
@@ -120,25 +120,6 @@ class BinaryLaunch(Launch):
             plans.append(ExecPlan(self.paths[rank], argv, exec_env(rank, self.envs[rank], environ),
                                   binding=bindings.get(rank)))
         spawn_ranks(group, streams, plans, abort, self.name)
-
-
-def payload_file(data: bytes) -> int:
-    """An anonymous file holding data (memfd where there is one)."""
-    if hasattr(os, "memfd_create"):
-        fd = os.memfd_create("torchmp-payload", os.MFD_CLOEXEC)
-    else:  # pragma: no cover - non-Linux
-        f = tempfile.TemporaryFile()
-        fd = os.dup(f.fileno())
-        f.close()
-        os.set_inheritable(fd, False)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 def alias_main_for_workers() -> None:

@@ -103,23 +103,23 @@ def follow_wanted() -> bool | None:
     return value not in ("0", "false", "no", "off")
 
 
+#: What :func:`fd_limits` says for no limit (``RLIM_INFINITY``).
+NO_FD_LIMIT = -1
+
+
 def fd_budget_fits(needed: int, limits: tuple[int, int, int] | None) -> bool:
     """Whether ``needed`` more fds fit the hard RLIMIT_NOFILE (the soft one
     can be raised to it), given :func:`fd_limits`."""
     if limits is None:
         return True
     in_use, _soft, hard = limits
-    import resource
-
-    return hard == resource.RLIM_INFINITY or needed + in_use <= hard
+    return hard == NO_FD_LIMIT or needed + in_use <= hard
 
 
 def fd_limits() -> tuple[int, int, int] | None:
     """(fds in use, soft limit, hard limit), or None where unknown."""
     try:
-        import resource
-
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        soft, hard = _core.nofile_limits()
         try:
             in_use = _core.open_fd_count()
         except OSError:
@@ -127,7 +127,7 @@ def fd_limits() -> tuple[int, int, int] | None:
             # the same on Linux and macOS, and one more: the listing's own,
             # closed again by now.
             in_use = len(os.listdir("/dev/fd")) - 1
-    except (ImportError, OSError):
+    except OSError:
         return None
     return in_use, soft, hard
 
@@ -141,15 +141,16 @@ def ensure_fd_budget(needed: int, nprocs: int, limits: tuple[int, int, int] | No
         limits = fd_limits()
     if limits is None:
         return
-    import resource
-
     in_use, soft, hard = limits
     needed += in_use
-    if soft == resource.RLIM_INFINITY or needed <= soft:
+    if soft == NO_FD_LIMIT or needed <= soft:
         return
-    if hard == resource.RLIM_INFINITY or needed <= hard:
-        new_soft = needed if hard == resource.RLIM_INFINITY else min(hard, max(needed, 2 * soft))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (new_soft, hard))
+    if hard == NO_FD_LIMIT or needed <= hard:
+        import resource  # here only: most launches have the fds they need
+
+        new_soft = needed if hard == NO_FD_LIMIT else min(hard, max(needed, 2 * soft))
+        new_hard = resource.RLIM_INFINITY if hard == NO_FD_LIMIT else hard
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new_soft, new_hard))
         logger.info("raised the soft RLIMIT_NOFILE from %s to %s for %s ranks", soft, new_soft, nprocs)
         return
     raise OSError(
