@@ -332,6 +332,7 @@ PANELS = [
     ("agent", ["true_wall", "echo_wall", "context_wall"], "agent: one command, wall per launch (ms)", True),
     ("agent", ["true_cpu", "echo_cpu", "context_cpu", "async_cpu"], "agent: launcher CPU per launch (ms)", True),
     ("agent", ["async_rate"], "agent: 256 x true, 32 in flight (launch/s)", False),
+    ("agent", ["cold_wall", "cold_cpu"], "agent: fresh python, import + one run (ms)", False),
 ]
 COLORS = {"torchmp": "#d62728", "stdlib": "#1f77b4", "floor": "#7f7f7f", "torch": "#ff7f0e", "torch-p01": "#bcbd22"}
 

@@ -209,13 +209,13 @@ def test_a_launch_imports_no_module_of_its_own(tmp_path):
 
 def test_run_does_not_import_asyncio_or_the_group_launchers():
     # A program that only runs commands (an agent's tool, a build step)
-    # must not pay for asyncio's import (tens of milliseconds) or for the
-    # launchers of rank groups.
+    # must not pay for asyncio's import (tens of milliseconds), typing's or
+    # the launchers of rank groups: what subprocess.run would cost it.
     result = run_launcher("""
         import sys
         from torchmp import run
         assert run(["true"]).returncode == 0
-        print(sorted(m for m in ("asyncio", "dataclasses", "pickle", "tempfile", "logging",
+        print(sorted(m for m in ("asyncio", "dataclasses", "pickle", "tempfile", "logging", "typing",
                                  "torchmp._aio", "torchmp._launch.exec", "torchmp._native") if m in sys.modules))
     """)
     assert result.returncode == 0, result.stderr

@@ -26,9 +26,14 @@ interpreter.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
 
 from torchmp._version import __version__
+
+# typing only for the type checker: ``import torchmp`` stays off it (an
+# agent whose tool calls are new interpreters pays every import).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 try:
     from torchmp import _core as _core

@@ -19,11 +19,16 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping
-from typing import Any
 
 from torchmp import _core
 from torchmp._launch import command as _command
 from torchmp._launch.command import GRACE_SECONDS as GRACE_SECONDS
+
+# typing only for the type checker: torchmp.run's imports stay off it
+# (tests/test_import_graph.py).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["CompletedProcess", "run", "run_async"]
 

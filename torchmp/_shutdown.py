@@ -23,9 +23,14 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Callable, Generator, Sized
-from typing import Protocol
 
 from torchmp import _core
+
+# typing only for the type checker: torchmp.run's imports stay off it
+# (tests/test_import_graph.py).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Protocol
 
 #: How long the processes get to exit after the death signal, before
 #: SIGKILL, unless told otherwise: torch's fixed 30 s (close()'s default,
@@ -48,20 +53,21 @@ GROUP_POLL_MAX = 0.05
 Wait = tuple[float, int]
 
 
-class Target(Protocol):
-    """What is stopped: a context's native group, or one command."""
+if TYPE_CHECKING:
+    class Target(Protocol):
+        """What is stopped: a context's native group, or one command."""
 
-    def version(self) -> int:
-        """A counter that moves when a leader exits."""
+        def version(self) -> int:
+            """A counter that moves when a leader exits."""
 
-    def running(self) -> bool:
-        """Some leader still runs."""
+        def running(self) -> bool:
+            """Some leader still runs."""
 
-    def busy(self) -> Sized:
-        """What still holds a living process (empty: nothing)."""
+        def busy(self) -> Sized:
+            """What still holds a living process (empty: nothing)."""
 
-    def killpg(self, sig: int) -> None:
-        """Signal every process group whose leader's pid is still pinned."""
+        def killpg(self, sig: int) -> None:
+            """Signal every process group whose leader's pid is still pinned."""
 
 
 class Ranks:

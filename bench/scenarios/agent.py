@@ -16,6 +16,12 @@ once from asyncio -- against what it would use instead, side by side.
 * ``context``: ``start_processes`` of one ``/bin/true`` + ``wait()`` +
   ``close()`` (``DefaultLogsSpecs`` in a temp dir) for torchmp, against
   ``subprocess.run(["true"])`` in the stdlib column.
+* ``cold``: a fresh interpreter (``python -c``) that imports what it needs
+  and runs ``true`` once -- an agent whose every tool call is a new Python
+  process: ``from torchmp import run`` / ``import subprocess`` / ``import
+  os`` + ``posix_spawnp``: wall time per interpreter and its CPU
+  (``RUSAGE_CHILDREN``: the interpreter and its ``true``).  The torchmp
+  interpreter checks that it imported the subject.
 
 Targets (issue 21): true <= 1.0x subprocess.run (wall and CPU; goal 0.8x);
 echo <= 0.8x; async >= 2x create_subprocess_exec's launches/s and <= 0.5x
@@ -28,6 +34,7 @@ import asyncio
 import os
 import resource
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -36,6 +43,7 @@ from bench.common import Result, interleave, record
 TITLE = "one command at a time, or 32 at once from asyncio: per launch"
 IMPLS = ["torchmp", "stdlib", "floor"]
 SEQ = 40           # launches per sequential trial
+COLD = 5           # fresh interpreters per cold trial
 ASYNC_N = 256
 ASYNC_IN_FLIGHT = 32
 
@@ -77,6 +85,28 @@ def _floor_echo() -> None:
 def _children_cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime + r.ru_stime
+
+
+def _cold_scripts(subject_file: str | None) -> dict[str, str]:
+    scripts = {
+        "stdlib": "import subprocess\nsubprocess.run(['true'])\n",
+        "floor": "import os\nos.waitpid(os.posix_spawnp('true', ['true'], os.environ), 0)\n",
+    }
+    if subject_file is not None:
+        scripts["torchmp"] = (f"import torchmp\nassert torchmp.__file__ == {subject_file!r}, torchmp.__file__\n"
+                              "from torchmp import run\nrun(['true'])\n")
+    return scripts
+
+
+def _cold(script: str, env: dict[str, str]) -> tuple[float, float]:
+    """(wall ms, CPU ms) per fresh interpreter running script, COLD of them."""
+    k0, t0 = _children_cpu(), time.perf_counter()
+    for _ in range(COLD):
+        pid = os.posix_spawn(sys.executable, [sys.executable, "-c", script], env)
+        _, status = os.waitpid(pid, 0)
+        if status != 0:
+            raise RuntimeError(f"a fresh interpreter failed (wait status {status}): {script!r}")
+    return (time.perf_counter() - t0) / COLD * 1e3, (_children_cpu() - k0) / COLD * 1e3
 
 
 def _async_batch(launch) -> tuple[float, float, float]:
@@ -157,6 +187,25 @@ def run_agent(ctx) -> Result:
         samples = interleave([i for i in impls if i in fns], ctx.reps(15, 5), trial, warmup=1,
                              on_error=lambda i, m, c=case: res.error(i, c, m), log=ctx.log)
         record(res, samples)
+
+    res.metric("cold_wall", "fresh python: import + run(['true']): wall", "ms", "lower")
+    res.metric("cold_cpu", "fresh python: import + run(['true']): CPU", "ms", "lower")
+    scripts = _cold_scripts(getattr(tm, "__file__", None) if "torchmp" in impls else None)
+    # Every column's interpreter gets the same sys.path: the subject's home
+    # first, so the torchmp column imports the torchmp under test.
+    env = dict(os.environ)
+    if "torchmp" in scripts:
+        home = os.path.dirname(os.path.dirname(os.path.abspath(tm.__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (home, env.get("PYTHONPATH")) if p)
+
+    def cold_trial(impl):
+        wall, cpu = _cold(scripts[impl], env)
+        return {"cold_wall": wall, "cold_cpu": cpu}
+
+    ctx.log("  cold")
+    samples = interleave([i for i in impls if i in scripts], ctx.reps(9, 3), cold_trial, warmup=1,
+                         on_error=lambda i, m: res.error(i, "cold", m), log=ctx.log)
+    record(res, samples)
 
     res.metric("async_rate", f"async {ASYNC_N} x true, {ASYNC_IN_FLIGHT} in flight", "launch/s", "higher")
     res.metric("async_cpu", "async: CPU per launch", "ms", "lower")

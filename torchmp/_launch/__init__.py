@@ -44,8 +44,10 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
 
+# typing only for the type checker: torchmp.run's imports stay off it
+# (tests/test_import_graph.py).
+TYPE_CHECKING = False
 if TYPE_CHECKING:
     from torchmp import _core
     from torchmp._launch.streams import RankStreams

@@ -21,10 +21,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Generator, Iterable, Mapping
-from typing import Any
 
 from torchmp import _core, _shutdown
 from torchmp._launch.payload import payload_file
+
+# typing only for the type checker: torchmp.run's imports stay off it
+# (tests/test_import_graph.py).
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 #: After SIGTERM, how long a command's process group gets to empty before
 #: SIGKILL (a timeout, what a finished command left behind, a cancellation).
