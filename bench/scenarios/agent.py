@@ -21,7 +21,9 @@ once from asyncio -- against what it would use instead, side by side.
   process: ``from torchmp import run`` / ``import subprocess`` / ``import
   os`` + ``posix_spawnp``: wall time per interpreter and its CPU
   (``RUSAGE_CHILDREN``: the interpreter and its ``true``).  The torchmp
-  interpreter checks that it imported the subject.
+  interpreter checks that it imported the subject; bytecode is cached
+  (``PYTHONDONTWRITEBYTECODE`` is dropped for these interpreters, and the
+  warm-up round writes it for a source tree).
 
 Targets (issue 21): true <= 1.0x subprocess.run (wall and CPU; goal 0.8x);
 echo <= 0.8x; async >= 2x create_subprocess_exec's launches/s and <= 0.5x
@@ -194,6 +196,9 @@ def run_agent(ctx) -> Result:
     # Every column's interpreter gets the same sys.path: the subject's home
     # first, so the torchmp column imports the torchmp under test.
     env = dict(os.environ)
+    # Cached bytecode, as an installed package has: without it every cold
+    # interpreter would compile torchmp's sources (the stdlib's are cached).
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     if "torchmp" in scripts:
         home = os.path.dirname(os.path.dirname(os.path.abspath(tm.__file__)))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (home, env.get("PYTHONPATH")) if p)
