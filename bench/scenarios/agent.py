@@ -16,7 +16,7 @@ once from asyncio -- against what it would use instead, side by side.
 * ``context``: ``start_processes`` of one ``/bin/true`` + ``wait()`` +
   ``close()`` (``DefaultLogsSpecs`` in a temp dir) for torchmp, against
   ``subprocess.run(["true"])`` in the stdlib column.
-* ``cold``: a fresh interpreter (``python -c``) that imports what it needs
+* ``cold``: a fresh interpreter (``python script.py``) that imports what it needs
   and runs ``true`` once -- an agent whose every tool call is a new Python
   process: ``from torchmp import run`` / ``import subprocess`` / ``import
   os`` + ``posix_spawnp``: wall time per interpreter and its CPU
@@ -101,10 +101,12 @@ def _cold_scripts(subject_file: str | None) -> dict[str, str]:
 
 
 def _cold(script: str, env: dict[str, str]) -> tuple[float, float]:
-    """(wall ms, CPU ms) per fresh interpreter running script, COLD of them."""
+    """(wall ms, CPU ms) per fresh interpreter running the script file, COLD
+    of them.  A file, not ``-c``: ``-c`` puts the bench's working directory
+    (a checkout, whose torchmp may not be the subject) first on sys.path."""
     k0, t0 = _children_cpu(), time.perf_counter()
     for _ in range(COLD):
-        pid = os.posix_spawn(sys.executable, [sys.executable, "-c", script], env)
+        pid = os.posix_spawn(sys.executable, [sys.executable, script], env)
         _, status = os.waitpid(pid, 0)
         if status != 0:
             raise RuntimeError(f"a fresh interpreter failed (wait status {status}): {script!r}")
@@ -203,8 +205,14 @@ def run_agent(ctx) -> Result:
         home = os.path.dirname(os.path.dirname(os.path.abspath(tm.__file__)))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (home, env.get("PYTHONPATH")) if p)
 
+    script_files = {}
+    for impl, text in scripts.items():
+        script_files[impl] = os.path.join(log_dir, f"cold_{impl}.py")
+        with open(script_files[impl], "w") as f:
+            f.write(text)
+
     def cold_trial(impl):
-        wall, cpu = _cold(scripts[impl], env)
+        wall, cpu = _cold(script_files[impl], env)
         return {"cold_wall": wall, "cold_cpu": cpu}
 
     ctx.log("  cold")
