@@ -11,10 +11,11 @@ from libc.errno cimport errno, EINTR
 from libc.stdint cimport int64_t, uint64_t
 from cpython.buffer cimport PyBuffer_FillInfo
 from libc.stdlib cimport calloc, free, malloc, realloc
-from libc.string cimport memchr, memcpy, memset, strerror
+from libc.string cimport memchr, memcpy, memset, strerror, strlen
+from posix.stat cimport stat as c_stat, struct_stat as stat_t, S_ISDIR
 from posix.resource cimport getrlimit, rlimit, RLIMIT_NOFILE, RLIM_INFINITY
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
-from posix.unistd cimport getpid, fork, close as c_close, _exit, write as c_write
+from posix.unistd cimport getpid, fork, close as c_close, _exit, write as c_write, access, X_OK
 
 from ctorchmp cimport *
 

@@ -87,6 +87,35 @@ def test_path_lookup_uses_the_workers_path(tmp_path):
     assert out == b"found-x\n" and not result.is_failed()
 
 
+def test_path_lookup_steps_over_directories_and_non_executables(tmp_path, monkeypatch):
+    """execvp's order: a directory or a file without execute permission of
+    that name is passed over; an empty entry is the current directory; with
+    no executable match, the first denied candidate is named."""
+    from torchmp._launch.exec import resolve_executable
+    as_dir, no_x, good, cwd = (tmp_path / n for n in ("as_dir", "no_x", "good", "cwd"))
+    for d in (as_dir, no_x, good, cwd):
+        d.mkdir()
+    (as_dir / "tool").mkdir()
+    (no_x / "tool").write_text("#!/bin/sh\n")
+    (no_x / "tool").chmod(0o644)
+    for d in (good, cwd):
+        (d / "tool").write_text("#!/bin/sh\n")
+        (d / "tool").chmod(0o755)
+    path = f"{tmp_path}/missing:{as_dir}:{no_x}/:{good}"
+    assert resolve_executable("tool", {"PATH": path}) == os.fsencode(good / "tool")
+    with pytest.raises(PermissionError) as info:
+        resolve_executable("tool", {"PATH": f"{as_dir}:{no_x}"})
+    assert info.value.filename == str(as_dir / "tool")
+    monkeypatch.chdir(cwd)
+    assert resolve_executable("tool", {"PATH": f"{as_dir}/missing::{good}"}) == b"./tool"
+    assert resolve_executable("tool", {"PATH": f"{no_x}:.:{good}"}) == b"./tool"
+    with pytest.raises(FileNotFoundError):
+        resolve_executable("tool", {"PATH": f"{tmp_path}/missing"})
+    assert resolve_executable(str(good / "tool")) == os.fsencode(good / "tool")
+    with pytest.raises(PermissionError):
+        resolve_executable(str(no_x / "tool"))
+
+
 def test_exec_failure_at_rank_k_reaps_started_ranks(tmp_path):
     good, bad = tmp_path / "good", tmp_path / "bad"
     good.mkdir()

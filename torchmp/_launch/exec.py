@@ -9,7 +9,6 @@ import errno
 import logging
 import os
 import pickle
-import stat
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,13 +25,11 @@ from torchmp._signals import SignalException
 logger = logging.getLogger("torchmp.api")
 
 
-def _exec_search_path(env: Mapping[str, Any]) -> list[bytes]:
+def _exec_search_path(env: Mapping[str, Any]) -> bytes:
     path = env.get("PATH")
     if path is None:
-        path_b = os.environb.get(b"PATH", os.defpath.encode())
-    else:
-        path_b = os.fsencode(str(path))
-    return path_b.split(b":")
+        return os.environb.get(b"PATH", os.defpath.encode())
+    return os.fsencode(str(path))
 
 
 def resolve_executable(entrypoint: str, env: Mapping[str, Any] | None = None) -> bytes:
@@ -41,27 +38,18 @@ def resolve_executable(entrypoint: str, env: Mapping[str, Any] | None = None) ->
     A name with a slash is used as given; otherwise each ``PATH`` entry (the
     worker's ``PATH`` if ``env`` sets one) is tried in order.  Raises
     ``FileNotFoundError`` if nothing matches and ``PermissionError`` if the
-    only matches cannot be executed.
+    only matches cannot be executed (a directory, or no execute permission).
     """
     name = os.fsencode(entrypoint)
     if not name:
         raise FileNotFoundError(errno.ENOENT, "empty command", entrypoint)
     if b"\0" in name:
         raise ValueError(f"entrypoint contains a NUL byte: {entrypoint!r}")
-    if b"/" in name:
-        candidates = [name]
-    else:
-        candidates = [os.path.join(d or b".", name) for d in _exec_search_path(env or {})]
-    denied: bytes | None = None
-    for candidate in candidates:
-        try:
-            st = os.stat(candidate)
-        except OSError:
-            continue
-        if stat.S_ISDIR(st.st_mode) or not os.access(candidate, os.X_OK):
-            denied = denied or candidate
-            continue
-        return candidate
+    # A name with a slash is the only candidate: an empty search path.
+    search_path = b"" if b"/" in name else _exec_search_path(env or {})
+    found, denied = _core.find_in_path(name, search_path)
+    if found is not None:
+        return found
     if denied is not None:
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fsdecode(denied))
     raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), entrypoint)
