@@ -317,6 +317,19 @@ def test_default_log_dir_is_a_file(tmp_path):
         DefaultLogsSpecs(f)
 
 
+def test_default_log_dir_that_is_neither_file_nor_directory(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(NotADirectoryError, match=f"log_dir: {fifo} is not a directory"):
+        DefaultLogsSpecs(fifo)
+    # A missing one is made, parents too; a path through a file cannot be.
+    DefaultLogsSpecs(tmp_path / "a" / "b")
+    assert (tmp_path / "a" / "b").is_dir()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError):
+        DefaultLogsSpecs(tmp_path / "file" / "logs")
+
+
 @pytest.mark.parametrize(
     "kwargs, exc, message",
     [

@@ -44,6 +44,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
@@ -328,12 +329,18 @@ class DefaultLogsSpecs(LogsSpecs):
         if path != os.devnull:
             if not path:
                 path = tempfile.mkdtemp(prefix="torchelastic_")
-            elif not os.path.exists(path):
-                os.makedirs(path, exist_ok=True)
-            elif os.path.isfile(path):
-                raise NotADirectoryError(f"log_dir: {path} is a file")
-            elif not os.path.isdir(path):
-                raise NotADirectoryError(f"log_dir: {path} is not a directory")
+            else:
+                # One stat, not exists + isfile + isdir: a launcher that makes
+                # specs per launch pays for each.
+                try:
+                    mode = os.stat(path).st_mode
+                except (FileNotFoundError, NotADirectoryError):
+                    os.makedirs(path, exist_ok=True)
+                else:
+                    if stat.S_ISREG(mode):
+                        raise NotADirectoryError(f"log_dir: {path} is a file")
+                    if not stat.S_ISDIR(mode):
+                        raise NotADirectoryError(f"log_dir: {path} is not a directory")
         super().__init__(path, redirects_, tee_, filter_)
         self._run_log_dir: str | None = None
         self._attempt_dir: str | None = None
