@@ -76,6 +76,7 @@ C_SOURCES = [
     "csrc/loop_streams.c", "csrc/loop_follow.c", "csrc/loop_feeds.c", "csrc/loop_consoles.c", "csrc/loop_reap.c",
     "csrc/loop_groups.c", "csrc/loop_thread.c", "csrc/loop_commands.c", "csrc/command.c", "csrc/notifier.c",
     "csrc/keeper.c", "csrc/keeper_watch.c", "csrc/procscan.c", "csrc/bind.c",
+    "csrc/cgroupfs.c",
 ]
 # torchmp/_keeper, the program the keeper is exec'd from (csrc/keeper.c says
 # why).  Linux only: elsewhere, and in the portable build, the launcher forks

@@ -280,6 +280,13 @@ def open_fd_count():
     return check(torchmp_open_fd_count(), b"counting /proc/self/fd")
 
 
+def cgroup_root_version(path not None):
+    """1 or 2 if ``path`` is the root directory of a whole cgroup v1 or v2
+    hierarchy (not a mounted subtree of one), else 0 (csrc/cgroupfs.c)."""
+    cdef bytes p = _os.fsencode(path)
+    return torchmp_cgroup_root_version(p)
+
+
 def nofile_limits():
     """RLIMIT_NOFILE as (soft, hard), -1 for no limit (RLIM_INFINITY).  Every
     launch asks; reading it here spares a program's first launch importing

@@ -268,3 +268,4 @@ cdef extern from "torchmp.h" nogil:
     int torchmp_backend_choice()
     void torchmp_procscan_init()
     int torchmp_open_fd_count()
+    int torchmp_cgroup_root_version(const char *path)

@@ -637,6 +637,13 @@ int torchmp_open_fd_count(void);
 /* Open what the scans read every time (once per process; errors ignored). */
 void torchmp_procscan_init(void);
 
+/* ---------------------------------------------------------------------------
+ * cgroupfs.c
+ */
+/* 1 or 2 if path is the root directory of a whole cgroup v1 or v2 hierarchy
+ * (not a mounted subtree of one), 0 if it is not or cannot be told. */
+int torchmp_cgroup_root_version(const char *path);
+
 /* notifier.c, command.c, loop_commands.c: one command outside the worker
  * groups (torchmp.run), and how event loops are woken. */
 #include "command.h"

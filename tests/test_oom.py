@@ -16,7 +16,9 @@ import itertools
 import json
 import os
 import re
+import shutil
 import signal
+import subprocess
 import sys
 import textwrap
 import time
@@ -462,6 +464,66 @@ def test_mount_table_read_once(monkeypatch: pytest.MonkeyPatch) -> None:
         reads.clear()
         _oom.start_watch().stop()           # a close() with one: the counter once more
         assert len(reads) <= 3, reads
+
+
+def test_a_hierarchy_mounted_whole_at_its_usual_place_needs_no_mount_table(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh process's first read of /proc/self/mountinfo costs 100-200 us of
+    kernel time; where the memory hierarchy is mounted whole at
+    /sys/fs/cgroup/memory (v1) or /sys/fs/cgroup (v2) the watch finds the same
+    counter without it."""
+    text = _oom._read("/proc/self/cgroup")
+    expected = _oom.resolve_memory_cgroup(text, _oom.parse_mountinfo(_oom._read("/proc/self/mountinfo")))
+    usual = _oom.memory_cgroup_at_usual_mount(text)
+    if usual is None:
+        pytest.skip("this system's memory hierarchy is not mounted whole at its usual place")
+    assert usual == expected
+    monkeypatch.setattr(_oom, "_mounts", None)
+    monkeypatch.setattr(_oom, "_resolved", None)
+    reads: list[str] = []
+    real = _oom._read
+
+    def counting(path: str) -> str:
+        reads.append(path)
+        return real(path)
+    monkeypatch.setattr(_oom, "_read", counting)
+    watch = _oom.start_watch()
+    assert watch is not None and watch.cgroup == expected
+    watch.stop(look=False)
+    assert reads == ["/proc/self/cgroup", expected.counter_file]
+
+
+def test_a_subtree_mounted_at_the_usual_place_is_resolved_through_the_mount_table(
+        v1_cgroup: Callable[..., Path]) -> None:
+    """A container without a cgroup namespace: a bind mount of part of the
+    hierarchy at /sys/fs/cgroup/memory, under which the paths of
+    /proc/self/cgroup do not resolve.  Made for real in a private mount
+    namespace; the watch must read the counter through the mount table."""
+    if not shutil.which("unshare") or not shutil.which("mount"):
+        pytest.skip("needs unshare and mount")
+    cg = v1_cgroup(256 * MiB)
+    script = textwrap.dedent(f"""\
+        import json, os, subprocess
+        from torchmp import _oom
+        with open({str(cg / "cgroup.procs")!r}, "w") as f:
+            f.write(str(os.getpid()))
+        subprocess.run(["mount", "--bind", {str(cg)!r}, {str(V1_ROOT)!r}], check=True)
+        text = _oom._read("/proc/self/cgroup")
+        watch = _oom.start_watch()
+        print(json.dumps({{"usual": repr(_oom.memory_cgroup_at_usual_mount(text)),
+                          "cgroup": watch and watch.cgroup.path, "counter": watch and watch.cgroup.counter_file,
+                          "before": watch and watch.before}}))
+    """)
+    proc = subprocess.run(["unshare", "--mount", "--propagation", "private", sys.executable, "-c", script],
+                          capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0 and "unshare failed" in proc.stderr:
+        pytest.skip(f"cannot make a mount namespace: {proc.stderr.strip()}")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["usual"] == "None"
+    assert out["cgroup"] == "/" + cg.name
+    assert out["counter"] == str(V1_ROOT / "memory.oom_control")   # the cgroup's own, seen through the mount
+    assert out["before"] == 0
 
 
 # --- real OOM kills in a cgroup v1 memory cgroup ----------------------------------

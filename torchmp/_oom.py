@@ -56,6 +56,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from torchmp import _core
+
 __all__ = [
     "MemCgroup",
     "Mount",
@@ -173,12 +175,8 @@ def _under_mount(mounts: list[Mount], path: str) -> str | None:
     return None if best is None else (best[1] or "/")
 
 
-def resolve_memory_cgroup(proc_cgroup: str, mounts: list[Mount]) -> MemCgroup | None:
-    """The memory cgroup described by a /proc/<pid>/cgroup text, or None.
-
-    A v1 memory line wins over the v2 line: on a hybrid system the memory
-    controller is on v1 and the v2 hierarchy has no counters.
-    """
+def _memory_paths(proc_cgroup: str) -> tuple[str | None, str | None]:
+    """The (v1 memory, v2) cgroup paths of a /proc/<pid>/cgroup text."""
     v1: str | None = None
     v2: str | None = None
     for line in proc_cgroup.splitlines():
@@ -190,16 +188,49 @@ def resolve_memory_cgroup(proc_cgroup: str, mounts: list[Mount]) -> MemCgroup | 
             v2 = path
         elif "memory" in controllers.split(","):
             v1 = path
+    return v1, v2
+
+
+def resolve_memory_cgroup(proc_cgroup: str, mounts: list[Mount]) -> MemCgroup | None:
+    """The memory cgroup described by a /proc/<pid>/cgroup text, or None.
+
+    A v1 memory line wins over the v2 line: on a hybrid system the memory
+    controller is on v1 and the v2 hierarchy has no counters.
+    """
+    v1, v2 = _memory_paths(proc_cgroup)
     if v1 is not None:
         v1_mounts = [m for m in mounts if m.fstype == "cgroup" and "memory" in m.super_options]
         base = _under_mount(v1_mounts, v1)
         if base is not None:
-            return MemCgroup(1, v1, os.path.join(base, "memory.oom_control"))
+            return MemCgroup(1, v1, os.path.join(base, COUNTER_FILES[1]))
     if v2 is not None:
         base = _under_mount([m for m in mounts if m.fstype == "cgroup2"], v2)
         if base is not None:
-            return MemCgroup(2, v2, os.path.join(base, "memory.events"))
+            return MemCgroup(2, v2, os.path.join(base, COUNTER_FILES[2]))
     return None
+
+
+#: Where each version's hierarchy is mounted by systemd and container runtimes.
+USUAL_MOUNTS = {1: "/sys/fs/cgroup/memory", 2: "/sys/fs/cgroup"}
+COUNTER_FILES = {1: "memory.oom_control", 2: "memory.events"}
+
+
+def memory_cgroup_at_usual_mount(proc_cgroup: str) -> MemCgroup | None:
+    """What :func:`resolve_memory_cgroup` finds, without the mount table,
+    when the hierarchy it would pick is mounted whole at its usual place;
+    None when that cannot be told (then the table decides)."""
+    v1, v2 = _memory_paths(proc_cgroup)
+    version, path = (1, v1) if v1 is not None else (2, v2)
+    if path is None:
+        return None
+    mount_point = USUAL_MOUNTS[version]
+    if _core.cgroup_root_version(mount_point) != version:
+        return None
+    # A v1 hierarchy there could be another controller's.
+    if version == 1 and not os.path.exists(os.path.join(mount_point, COUNTER_FILES[1])):
+        return None
+    base = _under_mount([Mount("/", mount_point, "", frozenset())], path)
+    return None if base is None else MemCgroup(version, path, os.path.join(base, COUNTER_FILES[version]))
 
 
 # --- reading the system ---------------------------------------------------------
@@ -232,10 +263,11 @@ def _cgroup_mounts() -> list[Mount]:
     return _mounts[1]
 
 
-# The last resolution, keyed by (pid, /proc/<pid>/cgroup text, mount table):
-# the text is read on every call (a process can be moved to another cgroup),
-# the parse and the mount lookup are done again only when it changed.
-_resolved: tuple[int, str, list[Mount], MemCgroup | None] | None = None
+# The last resolution, keyed by (pid, /proc/<pid>/cgroup text): the text is
+# read on every call (a process can be moved to another cgroup), the parse
+# and the mount lookup are done again only when it changed (or in a forked
+# child, whose mount table may be another namespace's).
+_resolved: tuple[int, str, MemCgroup | None] | None = None
 
 
 def memory_cgroup(pid: int | str = "self") -> MemCgroup | None:
@@ -243,14 +275,13 @@ def memory_cgroup(pid: int | str = "self") -> MemCgroup | None:
     global _resolved
     try:
         text = _read(f"/proc/{pid}/cgroup")
-        mounts = _cgroup_mounts()
         me = os.getpid()
         cached = _resolved
-        if pid == "self" and cached is not None and cached[0] == me and cached[1] == text and cached[2] is mounts:
-            return cached[3]
-        cg = resolve_memory_cgroup(text, mounts)
+        if pid == "self" and cached is not None and cached[0] == me and cached[1] == text:
+            return cached[2]
+        cg = memory_cgroup_at_usual_mount(text) or resolve_memory_cgroup(text, _cgroup_mounts())
         if pid == "self":
-            _resolved = (me, text, mounts, cg)
+            _resolved = (me, text, cg)
         return cg
     except (OSError, ValueError):
         return None
