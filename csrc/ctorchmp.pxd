@@ -268,4 +268,5 @@ cdef extern from "torchmp.h" nogil:
     int torchmp_backend_choice()
     void torchmp_procscan_init()
     int torchmp_open_fd_count()
+    int torchmp_log_create(const char *path, int *wrong_type)
     int torchmp_cgroup_root_version(const char *path)

@@ -344,32 +344,62 @@ void torchmp_loop_stream_free(torchmp_loop *L, stream *s)
     s->ret_len = s->ret_cap = 0;
 }
 
-/* A worker's log file, opened by path only when its rank starts (the caller
- * created, truncated and checked it before the launch): a launch of many ranks
- * holds no fd for the logs of ranks not started yet.  As there: never through
- * a symlink, never blocking on a FIFO, a regular file or a device only. */
-static int open_log_path(const char *path)
+/* A worker's log file, opened (and with O_CREAT | O_TRUNC created or
+ * truncated) by path: never through a symlink, never blocking on a FIFO, a
+ * regular file or a device only (*wrong_type set when it is something else,
+ * errno then EINVAL).  Left non-blocking. */
+static int open_log_checked(const char *path, int create, int *wrong_type)
 {
     struct stat st;
-    int flags, saved;
-    int fd = open(path, O_WRONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK | O_NOFOLLOW);
+    int saved;
+    int fd = open(path, O_WRONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK | O_NOFOLLOW | (create ? O_CREAT | O_TRUNC : 0),
+                  0666);
+    *wrong_type = 0;
     if (fd < 0)
         return -1;
     if (fstat(fd, &st) != 0)
         goto fail;
     if (!S_ISREG(st.st_mode) && !S_ISCHR(st.st_mode)) {
+        *wrong_type = 1;
         errno = EINVAL;
         goto fail;
     }
-    flags = fcntl(fd, F_GETFL);
-    if (flags < 0 || fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0)
-        goto fail;
     return fd;
 fail:
     saved = errno;
     close(fd);
     errno = saved;
     return -1;
+}
+
+int torchmp_log_create(const char *path, int *wrong_type)
+{
+    int fd = open_log_checked(path, 1, wrong_type);
+    if (fd < 0)
+        return -1;
+    if (close(fd) != 0 && errno != EINTR)
+        return -1;
+    return 0;
+}
+
+/* A worker's log file, opened by path only when its rank starts (the caller
+ * created, truncated and checked it before the launch with
+ * torchmp_log_create): a launch of many ranks holds no fd for the logs of
+ * ranks not started yet.  Blocking: the worker writes it. */
+static int open_log_path(const char *path)
+{
+    int flags, saved, wrong_type;
+    int fd = open_log_checked(path, 0, &wrong_type);
+    if (fd < 0)
+        return -1;
+    flags = fcntl(fd, F_GETFL);
+    if (flags < 0 || fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+        saved = errno;
+        close(fd);
+        errno = saved;
+        return -1;
+    }
+    return fd;
 }
 
 /* A teed stream's framing, console feed (which reads feed_fd back) and

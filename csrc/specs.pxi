@@ -2,6 +2,23 @@
 # Python records -> C specs (rank, stream, filters) and the captured return
 # value handed back without a copy.
 
+def create_log(bytes path not None):
+    """Create (or truncate) and check a worker's log file the way the core
+    opens it when the rank starts (csrc/loop_streams.c), without keeping it
+    open.  OSError as open(2) gives it; EINVAL, with wrong_type set on the
+    exception, for a path that is neither a regular file nor a device."""
+    cdef int wrong_type = 0
+    cdef int saved = 0
+    cdef const char *c_path = PyBytes_AS_STRING(path)
+    with nogil:
+        if torchmp_log_create(c_path, &wrong_type) != 0:
+            saved = errno
+    if saved:
+        e = OSError(saved, strerror(saved).decode(), _os.fsdecode(path))
+        e.wrong_type = bool(wrong_type)
+        raise e
+
+
 cdef int filters_fill(torchmp_filters *n, list filters, list keep) except -1:
     """A C view of filters (bytes kept alive by keep) for torchmp_group_new,
     which copies them."""

@@ -425,6 +425,12 @@ typedef struct {
                                 * that cannot be (no inotify, not a regular file, ...) */
 } torchmp_stream_spec;
 
+/* Create (or truncate) a worker's log file as an open_log stream will open
+ * it: never through a symlink, never blocking on a FIFO, a regular file or
+ * a device only (*wrong_type = 1, errno EINVAL, when it is something
+ * else).  Closed again.  0, or -1 with errno (loop_streams.c). */
+int torchmp_log_create(const char *path, int *wrong_type);
+
 typedef struct {
     torchmp_spawn_args args;   /* child_fds[1..3] are filled in by the loop */
     torchmp_stream_spec out;

@@ -87,6 +87,58 @@ def test_path_lookup_uses_the_workers_path(tmp_path):
     assert out == b"found-x\n" and not result.is_failed()
 
 
+class _PlantedLogs(torchmp.LogsSpecs):
+    """Rank 0's stdout log is whatever path the test planted."""
+
+    def __init__(self, stdout_path):
+        super().__init__(os.path.dirname(stdout_path), Std.OUT)
+        self.stdout_path = stdout_path
+
+    @property
+    def root_log_dir(self):
+        return str(self._root_log_dir)
+
+    def reify(self, envs):
+        return torchmp.LogsDest(stdouts={0: self.stdout_path}, stderrs={0: ""},
+                                error_files={r: "" for r in envs})
+
+
+@pytest.mark.parametrize("planted", ["symlink", "fifo", "directory", "socket"])
+def test_a_planted_log_path_is_refused_before_anything_starts(tmp_path, planted):
+    """Something planted where a log is to be written: refused with a clear
+    error before any rank runs, nothing written through it."""
+    import socket
+    target = tmp_path / "victim"
+    target.write_bytes(b"keep")
+    log = tmp_path / "stdout.log"
+    sock = None
+    if planted == "symlink":
+        log.symlink_to(target)
+    elif planted == "fifo":
+        os.mkfifo(log)
+    elif planted == "directory":
+        log.mkdir()
+    else:
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(log))
+    marker = tmp_path / "ran"
+    try:
+        with pytest.raises(OSError) as info:
+            ctx = torchmp.start_processes("planted", "/bin/sh", {0: ("-c", f"touch {marker}; echo hi")}, {0: {}},
+                                          _PlantedLogs(str(log)))
+            ctx.close()
+    finally:
+        if sock is not None:
+            sock.close()
+    err = info.value
+    expected = {"symlink": (errno.ELOOP, "refusing to follow a symlink for a log file"),
+                "fifo": (errno.ENXIO, "refusing a FIFO as a log file"),
+                "directory": (errno.EISDIR, "Is a directory"),
+                "socket": (errno.ENXIO, "refusing a FIFO as a log file")}[planted]
+    assert (err.errno, err.filename) == (expected[0], str(log)) and expected[1] in str(err), repr(err)
+    assert target.read_bytes() == b"keep" and not marker.exists()
+
+
 def test_path_lookup_steps_over_directories_and_non_executables(tmp_path, monkeypatch):
     """execvp's order: a directory or a file without execute permission of
     that name is passed over; an empty entry is the current directory; with

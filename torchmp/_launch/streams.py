@@ -24,6 +24,17 @@ RETURN_CHANNEL = _core.StreamSpec(_core.STREAM_RETURN, -1, -1, None)
 RankStreams = tuple[_core.StreamSpec, _core.StreamSpec]
 
 
+def _log_error(e: OSError, path: str) -> OSError:
+    """What a log file that cannot be opened is reported as."""
+    if e.errno == errno.ELOOP:
+        return OSError(e.errno, f"refusing to follow a symlink for a log file: {path}", path)
+    if e.errno == errno.ENXIO:
+        return OSError(e.errno, f"refusing a FIFO as a log file: {path}", path)
+    if getattr(e, "wrong_type", False):
+        return OSError(errno.EINVAL, f"a log file must be a regular file or a device: {path}", path)
+    return e
+
+
 def open_log(path: str) -> int:
     """Open a log file for a worker: truncate, never through a symlink
     planted in the log directory, never block on a FIFO planted there, mode
@@ -31,11 +42,7 @@ def open_log(path: str) -> int:
     try:
         fd = os.open(path, _LOG_FLAGS | os.O_NONBLOCK, 0o666)
     except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise OSError(e.errno, f"refusing to follow a symlink for a log file: {path}", path) from None
-        if e.errno == errno.ENXIO:
-            raise OSError(e.errno, f"refusing a FIFO as a log file: {path}", path) from None
-        raise
+        raise _log_error(e, path) from None
     try:
         mode = os.fstat(fd).st_mode
         if not (stat.S_ISREG(mode) or stat.S_ISCHR(mode)):
@@ -50,8 +57,12 @@ def open_log(path: str) -> int:
 def prepare_log(path: str) -> str:
     """Create (or truncate) and check a worker's log file the way
     :func:`open_log` does, without keeping it open: the native core opens
-    it again when the rank starts.  The absolute path."""
-    os.close(open_log(path))
+    it again when the rank starts.  The absolute path.  (One C call: a
+    redirected launch makes two per rank.)"""
+    try:
+        _core.create_log(os.fsencode(path))
+    except OSError as e:
+        raise _log_error(e, path) from None
     return os.path.abspath(path)
 
 
