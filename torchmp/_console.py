@@ -43,6 +43,7 @@ import weakref
 from typing import Any, TextIO
 
 from . import _console_objects, _core
+from ._inputs import getenv
 from ._console_objects import Forwarder, ObjectConsole
 
 __all__ = ["Forwarder", "ObjectConsole"]
@@ -88,7 +89,7 @@ def backlog_bound(explicit: object = None) -> int:
     """The bound in force: the explicit one, else the env var, else the default."""
     if explicit is not None:
         return parse_size(explicit)
-    env = os.environ.get(BACKLOG_ENV)
+    env = getenv(BACKLOG_ENV)
     if env:
         return parse_size(env, f"{BACKLOG_ENV}")
     return DEFAULT_BACKLOG
@@ -97,7 +98,7 @@ def backlog_bound(explicit: object = None) -> int:
 def stall_time() -> float:
     """Seconds without progress after which a console is stalled."""
     for name in (STALL_ENV, EXIT_STALL_ENV):
-        value = os.environ.get(name)
+        value = getenv(name)
         if value:
             try:
                 return max(0.0, float(value))

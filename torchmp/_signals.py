@@ -16,6 +16,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from torchmp import _core
+from torchmp._inputs import getenv
 
 # The C function under signal.signal (CPython's _signal; no stubs), and the
 # stdlib's wrapper it stands in for.
@@ -205,7 +206,9 @@ def _handled_signal_names() -> list[str]:
     """The names TORCHELASTIC_SIGNALS_TO_HANDLE lists (default torchelastic's
     four): the variable's one parser, behind handled_signals and
     install_handlers."""
-    names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", _DEFAULT_HANDLED_NAMES)
+    names = getenv("TORCHELASTIC_SIGNALS_TO_HANDLE")
+    if names is None:
+        names = _DEFAULT_HANDLED_NAMES
     return [name.strip() for name in names.split(",") if name.strip()]
 
 

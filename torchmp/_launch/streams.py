@@ -10,6 +10,7 @@ import stat
 from collections.abc import Container, Mapping
 
 from torchmp import _core
+from torchmp._inputs import getenv
 
 logger = logging.getLogger("torchmp.api")
 
@@ -108,7 +109,7 @@ def followable(stdouts: Mapping[int, str], stderrs: Mapping[int, str], rank: int
 def follow_wanted() -> bool | None:
     """TORCHMP_TEE_TAIL: True (always follow), False (never), None (when
     the pipes would not fit)."""
-    value = os.environ.get(FOLLOW_ENV, "").strip()
+    value = (getenv(FOLLOW_ENV) or "").strip()
     if value in ("", "auto"):
         return None
     return value not in ("0", "false", "no", "off")
