@@ -170,6 +170,8 @@ def _std_in_range(value: int, what: str) -> Std:
 
 def _as_std_setting(value: object, what: str) -> Std | dict[int, Std]:
     """Validate a ``redirects``/``tee`` argument; return it as ``Std`` or a new dict."""
+    if type(value) is Std and 0 <= value <= 3:
+        return value  # the common case, on every DefaultLogsSpecs and reify
     if isinstance(value, Mapping):
         return {
             as_rank(k, what): _as_std(v, f"{what}[{k!r}]") for k, v in value.items()
