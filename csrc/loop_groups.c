@@ -121,10 +121,15 @@ static void group_link(torchmp_loop *L, torchmp_group *g)
 int torchmp_loop_do_spawn(torchmp_loop *L, command *c)
 {
     sigset_t reset;
+    sigemptyset(&reset);
     group_link(L, c->group);
-    torchmp_signals_to_reset(&reset);
+    if (c->count > 1)
+        torchmp_signals_to_reset(&reset);
+    else if (c->count == 1)
+        c->specs[0].args.scan_signals = 1;   /* as spawn_here */
     for (int i = 0; i < c->count; i++) {
-        c->specs[i].args.reset_signals = reset;
+        if (c->count > 1)
+            c->specs[i].args.reset_signals = reset;
         if (do_spawn_one(L, c->group, i, &c->specs[i], &c->err, 0) != 0)
             return i;
     }
@@ -457,11 +462,18 @@ static int spawn_here(torchmp_group *g, torchmp_rank_spec *specs, int count, tor
     sigset_t reset, all, old;
     int i;
 
-    torchmp_signals_to_reset(&reset);
+    /* One rank: its child scans the dispositions itself, on its own CPU
+     * (as CPython's does); a batch is scanned once here. */
+    sigemptyset(&reset);
+    if (count > 1)
+        torchmp_signals_to_reset(&reset);
+    else
+        specs[0].args.scan_signals = 1;
     sigfillset(&all);
     for (i = 0; i < count; i++) {
         int rc;
-        specs[i].args.reset_signals = reset;
+        if (count > 1)
+            specs[i].args.reset_signals = reset;
         if (pthread_sigmask(SIG_SETMASK, &all, &old) != 0) {
             err->step = TORCHMP_STEP_SIGNALS;
             err->errnum = errno;

@@ -246,19 +246,37 @@ def test_worker_inherits_only_stdio(tmp_path):
     assert sorted(int(x) for x in out.split()) == [0, 1, 2]  # the shell's fds: stdio only
 
 
-def test_worker_is_a_session_leader_with_clean_signals(tmp_path):
+@pytest.mark.parametrize("nprocs", [1, 3])
+def test_worker_is_a_session_leader_with_clean_signals(tmp_path, nprocs):
+    """One rank's child finds the caught signals itself, a batch's are found
+    once by the launcher: either way SIGPIPE and SIGXFSZ are back to default
+    and a disposition the launcher ignores stays ignored."""
     # `exec cat` keeps the worker's pid, so cat reports on the worker itself.
     # (A Python worker would not do: CPython ignores SIGPIPE at start-up.)
-    _, out, _ = run_one(tmp_path, "sh", ("-c", "exec cat /proc/self/stat /proc/self/status"))
-    stat_line, status = out.split(b"\n", 1)
-    pid = int(stat_line.split()[0])
-    ppid, pgrp, session = (int(x) for x in stat_line.rsplit(b")", 1)[1].split()[1:4])
-    fields = dict(line.split(b":", 1) for line in status.splitlines() if b":" in line)
-    assert (pgrp, session) == (pid, pid)
-    assert ppid == os.getpid()
-    assert int(fields[b"SigBlk"], 16) == 0
-    assert int(fields[b"SigIgn"], 16) & (1 << (signal.SIGPIPE - 1)) == 0
-    assert int(fields[b"SigIgn"], 16) & (1 << (signal.SIGXFSZ - 1)) == 0
+    previous = signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    try:
+        ctx = launch("sh", {r: ("-c", "exec cat /proc/self/stat /proc/self/status") for r in range(nprocs)},
+                     log_dir=tmp_path / "logs", redirects=Std.ALL)
+        try:
+            result = ctx.wait(timeout=30)
+        finally:
+            ctx.close()
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+    assert result is not None and not result.is_failed()
+    for rank in range(nprocs):
+        out = open(result.stdouts[rank], "rb").read()
+        stat_line, status = out.split(b"\n", 1)
+        pid = int(stat_line.split()[0])
+        ppid, pgrp, session = (int(x) for x in stat_line.rsplit(b")", 1)[1].split()[1:4])
+        fields = dict(line.split(b":", 1) for line in status.splitlines() if b":" in line)
+        assert (pgrp, session) == (pid, pid)
+        assert ppid == os.getpid()
+        assert int(fields[b"SigBlk"], 16) == 0
+        ignored = int(fields[b"SigIgn"], 16)
+        assert ignored & (1 << (signal.SIGPIPE - 1)) == 0
+        assert ignored & (1 << (signal.SIGXFSZ - 1)) == 0
+        assert ignored & (1 << (signal.SIGUSR2 - 1))
 
 
 def test_worker_gets_parent_death_signal(tmp_path):
