@@ -296,10 +296,10 @@ def start_command(bytes program not None, list argv not None, list envp, bytes s
     cdef Py_ssize_t i, nkeep = len(pass_fds)
     cdef list hold = []
     cdef Command command
-    if getpid() != _commands_pid:
+    if self_pid() != _commands_pid:
         torchmp_keeper_start()  # once per process; without it, PDEATHSIG still kills the leader
         torchmp_procscan_init()
-        _commands_pid = getpid()
+        _commands_pid = self_pid()
     memset(&spec, 0, sizeof(spec))
     memset(&err, 0, sizeof(err))
     try:

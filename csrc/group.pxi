@@ -34,7 +34,7 @@ cdef class Group:
         self.g = NULL
         self.nprocs = nprocs
         self.started = 0
-        self.owner_pid = getpid()
+        self.owner_pid = self_pid()
         self.forked_pid = <pid_t *>calloc(nprocs if nprocs > 0 else 1, sizeof(pid_t))
         self.forked_by_forkserver = <bint *>calloc(nprocs if nprocs > 0 else 1, sizeof(bint))
         if self.forked_pid == NULL or self.forked_by_forkserver == NULL:
@@ -72,7 +72,7 @@ cdef class Group:
             return
         self._unstage()
         self.release_pending = True
-        if getpid() == self.owner_pid:
+        if self_pid() == self.owner_pid:
             torchmp_group_interrupt(self.g)
         if self.users == 0:
             self._free_group()
@@ -96,7 +96,7 @@ cdef class Group:
     cdef int _ours(self) except -1:
         if self.g == NULL or self.release_pending:
             raise ValueError("worker group is closed")
-        if getpid() != self.owner_pid:
+        if self_pid() != self.owner_pid:
             raise RuntimeError(
                 "this torchmp context was created in a parent process; "
                 "it cannot be used after fork")
@@ -177,7 +177,7 @@ cdef class Group:
         cdef int rank
         if self.staged == NULL:
             return
-        if getpid() == self.owner_pid:  # a forked worker's copies are gone
+        if self_pid() == self.owner_pid:  # a forked worker's copies are gone
             for rank in range(self.nstaged):
                 self._close_worker_fds(rank)
         self._free_staging()

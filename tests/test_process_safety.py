@@ -659,3 +659,47 @@ def test_a_big_return_value_costs_the_launcher_at_most_one_copy(launcher, tmp_pa
     # The value itself plus the captured pickle it is read from; a further
     # copy (the capture copied into a bytes object first) would make it 3.
     assert float(out) < 2.5, out
+
+
+def test_a_group_refuses_work_in_a_forked_child_however_it_was_forked():
+    """A worker group belongs to the process that made it: the core keeps its
+    pid current across fork() (an atfork handler, not a getpid() per call),
+    so a child forked from the main thread, from another thread or from a
+    child refuses to launch through its copy, while the parent still can."""
+    import threading
+
+    group = _core.Group(1, None, -1, None, -1)
+    r, w = os.pipe()
+
+    def forked_child_reports() -> None:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                try:
+                    group.spawn([])
+                    verdict = b"spawned"
+                except RuntimeError:
+                    verdict = b"refused"
+                if os.environ.get("_TORCHMP_TEST_NESTED") != "1":
+                    os.environ["_TORCHMP_TEST_NESTED"] = "1"
+                    forked_child_reports()          # the grandchild reports too
+                os.write(w, verdict + b"\n")
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+
+    try:
+        forked_child_reports()
+        thread = threading.Thread(target=forked_child_reports)
+        thread.start()
+        thread.join()
+        os.close(w)
+        w = -1
+        with os.fdopen(r, "rb") as f:
+            verdicts = f.read().split()
+        assert verdicts == [b"refused"] * 4, verdicts
+        group.spawn([])                              # the parent's own still works
+    finally:
+        if w != -1:
+            os.close(w)
+        group.release()
