@@ -21,28 +21,10 @@ from ctorchmp cimport *
 
 import os as _os
 
-cdef extern from "<pthread.h>" nogil:
-    int pthread_atfork(void (*prepare)() noexcept nogil, void (*parent)() noexcept nogil,
-                       void (*child)() noexcept nogil)
-
-# This process's pid, kept current across fork() by an atfork handler: every
-# method of a Group checks that it runs in the process that made the group,
-# about twenty times a launch, and getpid() is a system call each time.
-# (vfork and clone children run no atfork handler, and run no Python.)
-cdef pid_t _self_pid = getpid()
-
-
-cdef void _self_pid_after_fork() noexcept nogil:
-    global _self_pid
-    _self_pid = getpid()
-
-
-if pthread_atfork(NULL, NULL, _self_pid_after_fork) != 0:
-    raise MemoryError("pthread_atfork")
-
-
 cdef inline pid_t self_pid() noexcept nogil:
-    return _self_pid
+    # (csrc/loop_thread.c: no system call per check that this process owns
+    # a group, about twenty a launch)
+    return torchmp_self_pid()
 
 
 cdef extern from "Python.h":

@@ -295,7 +295,7 @@ torchmp_command *torchmp_command_start(const torchmp_command_spec *spec, torchmp
         }
     }
     a.use_vfork = torchmp_vfork_enabled();
-    a.parent_pid = getpid();
+    a.parent_pid = torchmp_self_pid();
     a.max_fd = max_fd();
 #ifdef TORCHMP_HAVE_PDEATHSIG
     /* Fires when the calling *thread* exits: it waits for the command (run),

@@ -240,7 +240,7 @@ int torchmp_keeper_start(void)
     int32_t *table = NULL;
     int write_fd = -1;
 
-    if (keeper_table != NULL && keeper_owner == getpid())
+    if (keeper_table != NULL && keeper_owner == torchmp_self_pid())
         return 0;
     /* Inherited across fork from a parent launcher: that keeper watches the
      * parent, and our copy of its pipe would hide the parent's death. */
@@ -254,7 +254,7 @@ int torchmp_keeper_start(void)
     }
     keeper_table = table;
     keeper_write_fd = write_fd;
-    keeper_owner = getpid();
+    keeper_owner = torchmp_self_pid();
     keeper_hint = 1;
     return 0;
 }
@@ -264,7 +264,7 @@ void torchmp_keeper_forget(void)
     /* Async-signal-safe: a forked child calls it.  The table mapping is left
      * alone (unmapping is not needed for correctness, and the child may be
      * a worker that never touches it). */
-    if (keeper_owner != getpid() && keeper_write_fd >= 0) {
+    if (keeper_owner != torchmp_self_pid() && keeper_write_fd >= 0) {
         (void)close(keeper_write_fd);
         keeper_write_fd = -1;
         keeper_table = NULL;
@@ -273,7 +273,7 @@ void torchmp_keeper_forget(void)
 
 pid_t torchmp_keeper_pid(void)
 {
-    if (keeper_table == NULL || keeper_owner != getpid())
+    if (keeper_table == NULL || keeper_owner != torchmp_self_pid())
         return 0;
     return (pid_t)__atomic_load_n(&keeper_table[0], __ATOMIC_ACQUIRE);
 }
@@ -284,7 +284,7 @@ pid_t torchmp_keeper_pid(void)
 int torchmp_keeper_add(pid_t pgid)
 {
     int hint;
-    if (keeper_table == NULL || keeper_owner != getpid() || pgid <= 1)
+    if (keeper_table == NULL || keeper_owner != torchmp_self_pid() || pgid <= 1)
         return 0;
     hint = __atomic_load_n(&keeper_hint, __ATOMIC_RELAXED);
     for (int n = 0; n < KEEPER_SLOTS - 1; n++) {
@@ -303,7 +303,7 @@ int torchmp_keeper_add(pid_t pgid)
 
 void torchmp_keeper_remove(int slot)
 {
-    if (keeper_table == NULL || keeper_owner != getpid() || slot <= 0 || slot >= KEEPER_SLOTS)
+    if (keeper_table == NULL || keeper_owner != torchmp_self_pid() || slot <= 0 || slot >= KEEPER_SLOTS)
         return;
     __atomic_store_n(&keeper_table[slot], 0, __ATOMIC_RELEASE);
     if (slot < __atomic_load_n(&keeper_hint, __ATOMIC_RELAXED))

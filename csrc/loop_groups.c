@@ -377,7 +377,7 @@ fail:
 
 int torchmp_loop_group_is_ours(torchmp_group *g)
 {
-    if (g->loop->owner_pid != getpid()) {
+    if (g->loop->owner_pid != torchmp_self_pid()) {
         errno = ECHILD; /* a group inherited across fork belongs to the parent */
         return 0;
     }
@@ -436,7 +436,7 @@ static int ranks_command(torchmp_group *g, int type, torchmp_rank_spec *specs, i
 static int spawn_here_ok(torchmp_group *g, const torchmp_rank_spec *specs, int count)
 {
 #ifdef TORCHMP_HAVE_PIDFD
-    if (g->loop->backend != TORCHMP_BACKEND_EPOLL || syscall(SYS_gettid) != getpid())
+    if (g->loop->backend != TORCHMP_BACKEND_EPOLL || syscall(SYS_gettid) != torchmp_self_pid())
         return 0;
     for (int i = 0; i < count; i++) {
         for (int w = 0; w < STREAM_COUNT; w++) {

@@ -26,6 +26,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -36,6 +37,33 @@
 #endif
 
 #define MAX_EVENTS 256
+
+/* This process's pid, kept current across fork() by an atfork handler.  The
+ * launcher checks that it is the process that owns a loop, a group or the
+ * keeper's table about twenty times a launch, and getpid() is a system call
+ * each time.  Only for the launcher's side: a vfork child runs no atfork
+ * handler and must call getpid() itself. */
+static pid_t self_pid;
+static int self_pid_tracked;
+static pthread_once_t self_pid_once = PTHREAD_ONCE_INIT;
+
+static void self_pid_after_fork(void)
+{
+    self_pid = getpid();
+}
+
+static void self_pid_init(void)
+{
+    self_pid = getpid();
+    self_pid_tracked = pthread_atfork(NULL, NULL, self_pid_after_fork) == 0;
+}
+
+pid_t torchmp_self_pid(void)
+{
+    if (pthread_once(&self_pid_once, self_pid_init) != 0 || !self_pid_tracked)
+        return getpid();
+    return self_pid;
+}
 
 static torchmp_loop *the_loop;
 
@@ -317,7 +345,7 @@ static torchmp_loop *loop_create(void)
         return NULL;
     L->kind = WATCH_CONTROL;
     L->exits_kind = WATCH_EXITS;
-    L->owner_pid = getpid();
+    L->owner_pid = torchmp_self_pid();
     L->wake_r = L->wake_w = -1;
     L->inotify_fd = -1;
     L->timed = STREAM_LIST_INIT(timed);
@@ -403,7 +431,7 @@ fail:
  * held by a thread that no longer exists) is abandoned, not touched. */
 torchmp_loop *torchmp_loop_get(void)
 {
-    if (the_loop != NULL && the_loop->owner_pid == getpid())
+    if (the_loop != NULL && the_loop->owner_pid == torchmp_self_pid())
         return the_loop;
     the_loop = loop_create();
     return the_loop;
@@ -411,7 +439,7 @@ torchmp_loop *torchmp_loop_get(void)
 
 int torchmp_loop_exists(void)
 {
-    return the_loop != NULL && the_loop->owner_pid == getpid();
+    return the_loop != NULL && the_loop->owner_pid == torchmp_self_pid();
 }
 
 int torchmp_loop_backend(void)
@@ -426,7 +454,7 @@ static uint64_t consoles_sum(int fd, int shown)
 {
     torchmp_loop *L = the_loop;
     uint64_t n = 0;
-    if (L == NULL || L->owner_pid != getpid())
+    if (L == NULL || L->owner_pid != torchmp_self_pid())
         return 0;
     pthread_mutex_lock(&L->mu);
     for (console_entry *e = L->consoles; e != NULL; e = e->next) {

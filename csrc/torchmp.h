@@ -643,6 +643,10 @@ int torchmp_open_fd_count(void);
 /* Open what the scans read every time (once per process; errors ignored). */
 void torchmp_procscan_init(void);
 
+/* This process's pid without a system call (kept current across fork() by
+ * an atfork handler; loop_thread.c).  Not in a vfork child: getpid() there. */
+pid_t torchmp_self_pid(void);
+
 /* ---------------------------------------------------------------------------
  * cgroupfs.c
  */
