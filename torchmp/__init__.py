@@ -25,7 +25,7 @@ interpreter.
 
 from __future__ import annotations
 
-import importlib
+import sys
 
 from torchmp._version import __version__
 
@@ -77,7 +77,10 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'torchmp' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    # __import__, not importlib.import_module: importing importlib would cost
+    # every new interpreter that imports torchmp a quarter of a millisecond.
+    __import__(module)
+    value = getattr(sys.modules[module], name)
     globals()[name] = value
     return value
 
