@@ -442,8 +442,10 @@ def test_live_system_does_not_raise() -> None:
         watch.stop()
 
 
-def test_mount_table_read_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Forget the cached mount table and cgroup; list every file _oom reads."""
     monkeypatch.setattr(_oom, "_mounts", None)
+    monkeypatch.setattr(_oom, "_resolved", None)
     reads: list[str] = []
     real = _oom._read
 
@@ -451,6 +453,11 @@ def test_mount_table_read_once(monkeypatch: pytest.MonkeyPatch) -> None:
         reads.append(path)
         return real(path)
     monkeypatch.setattr(_oom, "_read", counting)
+    return reads
+
+
+def test_mount_table_read_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    reads = _count_reads(monkeypatch)
     for attempt in range(2):
         reads.clear()
         watch = _oom.start_watch()
@@ -478,15 +485,7 @@ def test_a_hierarchy_mounted_whole_at_its_usual_place_needs_no_mount_table(
     if usual is None:
         pytest.skip("this system's memory hierarchy is not mounted whole at its usual place")
     assert usual == expected
-    monkeypatch.setattr(_oom, "_mounts", None)
-    monkeypatch.setattr(_oom, "_resolved", None)
-    reads: list[str] = []
-    real = _oom._read
-
-    def counting(path: str) -> str:
-        reads.append(path)
-        return real(path)
-    monkeypatch.setattr(_oom, "_read", counting)
+    reads = _count_reads(monkeypatch)
     watch = _oom.start_watch()
     assert watch is not None and watch.cgroup == expected
     watch.stop(look=False)
