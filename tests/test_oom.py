@@ -30,7 +30,7 @@ import pytest
 from torchmp import _oom
 from torchmp._oom import MemCgroup, Mount, OomWatch
 
-from helpers import Launcher
+from helpers import Launcher, launcher_env
 
 # --- fixture text -----------------------------------------------------------------
 
@@ -493,7 +493,7 @@ def test_a_hierarchy_mounted_whole_at_its_usual_place_needs_no_mount_table(
 
 
 def test_a_subtree_mounted_at_the_usual_place_is_resolved_through_the_mount_table(
-        v1_cgroup: Callable[..., Path]) -> None:
+        v1_cgroup: Callable[..., Path], tmp_path: Path) -> None:
     """A container without a cgroup namespace: a bind mount of part of the
     hierarchy at /sys/fs/cgroup/memory, under which the paths of
     /proc/self/cgroup do not resolve.  Made for real in a private mount
@@ -514,7 +514,7 @@ def test_a_subtree_mounted_at_the_usual_place_is_resolved_through_the_mount_tabl
                           "before": watch and watch.before}}))
     """)
     proc = subprocess.run(["unshare", "--mount", "--propagation", "private", sys.executable, "-c", script],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path, env=launcher_env())
     if proc.returncode != 0 and "unshare failed" in proc.stderr:
         pytest.skip(f"cannot make a mount namespace: {proc.stderr.strip()}")
     assert proc.returncode == 0, proc.stderr
