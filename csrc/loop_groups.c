@@ -118,18 +118,26 @@ static void group_link(torchmp_loop *L, torchmp_group *g)
     }
 }
 
-int torchmp_loop_do_spawn(torchmp_loop *L, command *c)
+/* Which signal dispositions the children put back to SIG_DFL: a batch's
+ * are found once here; one rank's child finds them itself, on its own CPU
+ * (as CPython's child does), sparing the launcher 64 sigaction calls. */
+static void plan_signal_resets(torchmp_rank_spec *specs, int count)
 {
     sigset_t reset;
-    sigemptyset(&reset);
+    if (count == 1) {
+        specs[0].args.scan_signals = 1;
+        return;
+    }
+    torchmp_signals_to_reset(&reset);
+    for (int i = 0; i < count; i++)
+        specs[i].args.reset_signals = reset;
+}
+
+int torchmp_loop_do_spawn(torchmp_loop *L, command *c)
+{
     group_link(L, c->group);
-    if (c->count > 1)
-        torchmp_signals_to_reset(&reset);
-    else if (c->count == 1)
-        c->specs[0].args.scan_signals = 1;   /* as spawn_here */
+    plan_signal_resets(c->specs, c->count);
     for (int i = 0; i < c->count; i++) {
-        if (c->count > 1)
-            c->specs[i].args.reset_signals = reset;
         if (do_spawn_one(L, c->group, i, &c->specs[i], &c->err, 0) != 0)
             return i;
     }
@@ -459,21 +467,13 @@ static int spawn_here_ok(torchmp_group *g, const torchmp_rank_spec *specs, int c
  * a handler (Python's among them) must not run in it before exec. */
 static int spawn_here(torchmp_group *g, torchmp_rank_spec *specs, int count, torchmp_spawn_error *err)
 {
-    sigset_t reset, all, old;
+    sigset_t all, old;
     int i;
 
-    /* One rank: its child scans the dispositions itself, on its own CPU
-     * (as CPython's does); a batch is scanned once here. */
-    sigemptyset(&reset);
-    if (count > 1)
-        torchmp_signals_to_reset(&reset);
-    else
-        specs[0].args.scan_signals = 1;
+    plan_signal_resets(specs, count);
     sigfillset(&all);
     for (i = 0; i < count; i++) {
         int rc;
-        if (count > 1)
-            specs[i].args.reset_signals = reset;
         if (pthread_sigmask(SIG_SETMASK, &all, &old) != 0) {
             err->step = TORCHMP_STEP_SIGNALS;
             err->errnum = errno;

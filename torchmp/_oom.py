@@ -175,6 +175,11 @@ def _under_mount(mounts: list[Mount], path: str) -> str | None:
     return None if best is None else (best[1] or "/")
 
 
+#: Where each version's hierarchy is mounted by systemd and container runtimes.
+USUAL_MOUNTS = {1: "/sys/fs/cgroup/memory", 2: "/sys/fs/cgroup"}
+COUNTER_FILES = {1: "memory.oom_control", 2: "memory.events"}
+
+
 def _memory_paths(proc_cgroup: str) -> tuple[str | None, str | None]:
     """The (v1 memory, v2) cgroup paths of a /proc/<pid>/cgroup text."""
     v1: str | None = None
@@ -208,11 +213,6 @@ def resolve_memory_cgroup(proc_cgroup: str, mounts: list[Mount]) -> MemCgroup | 
         if base is not None:
             return MemCgroup(2, v2, os.path.join(base, COUNTER_FILES[2]))
     return None
-
-
-#: Where each version's hierarchy is mounted by systemd and container runtimes.
-USUAL_MOUNTS = {1: "/sys/fs/cgroup/memory", 2: "/sys/fs/cgroup"}
-COUNTER_FILES = {1: "memory.oom_control", 2: "memory.events"}
 
 
 def memory_cgroup_at_usual_mount(proc_cgroup: str) -> MemCgroup | None:
