@@ -4,9 +4,13 @@
  * Everything the child needs (argv, envp, resolved path, fd plan) is prepared
  * by the caller before fork.  Between fork and exec the child makes only
  * async-signal-safe calls and touches no heap: with vfork it shares the
- * parent's memory.  A failure in the child is written once to a CLOEXEC pipe
- * as a fixed {step, errno} record; an empty read in the parent means exec
- * succeeded (the pipe closed on exec).
+ * parent's memory.  A failure in the child is reported as a fixed {step,
+ * errno} record, written once to a CLOEXEC pipe: an empty read in the parent
+ * means exec succeeded (the pipe closed on exec).  A vfork child also stores
+ * it in the parent's memory, where the parent finds it final (it runs again
+ * only once the child has exec'd or exited); once a vfork child has shown
+ * that it shares the parent's memory (it does not under valgrind, which runs
+ * vfork as fork), launches make no pipe.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -94,16 +98,30 @@ static int signal_needs_reset(int sig, const struct sigaction *old)
     return old->sa_handler != SIG_IGN || sig == SIGPIPE || sig == SIGXFSZ;
 }
 
-__attribute__((noreturn)) static void child_fail(int errpipe, int step, int errnum)
+/* Where a child reports why it could not exec. */
+typedef struct {
+    int use_vfork;
+    volatile torchmp_spawn_error *shared; /* vfork: the parent's record */
+    volatile int *seen;                   /* vfork: set first thing, proof the memory is shared */
+    int pipe_w;                           /* -1: none */
+} child_report;
+
+__attribute__((noreturn)) static void child_fail(const child_report *report, int step, int errnum)
 {
     torchmp_spawn_error rec;
     const char *p = (const char *)&rec;
     size_t left = sizeof(rec);
 
+    if (report->shared != NULL) {
+        report->shared->errnum = errnum;
+        report->shared->step = step;
+    }
+    if (report->pipe_w < 0)
+        _exit(127);
     rec.step = step;
     rec.errnum = errnum;
     while (left > 0) {
-        ssize_t n = write(errpipe, p, left);
+        ssize_t n = write(report->pipe_w, p, left);
         if (n < 0) {
             if (errno == EINTR)
                 continue;
@@ -263,7 +281,7 @@ int torchmp_child_setup(const torchmp_spawn_args *a, int keep_fd, int close_othe
     return torchmp_apply_binding(&a->binding);
 }
 
-__attribute__((noreturn, noinline)) static void child_exec(const torchmp_spawn_args *a, int errpipe)
+__attribute__((noreturn, noinline)) static void child_exec(const torchmp_spawn_args *a, const child_report *report)
 {
     sigset_t empty;
     struct sigaction dfl;
@@ -276,6 +294,8 @@ __attribute__((noreturn, noinline)) static void child_exec(const torchmp_spawn_a
      * CPython ignores for itself, not for its children) go back to SIG_DFL.
      * For a batch the parent scans once instead of every child making ~128
      * sigaction calls; a single launch scans here, on the child's CPU. */
+    if (report->seen != NULL)
+        *report->seen = 1;
     memset(&dfl, 0, sizeof(dfl));
     dfl.sa_handler = SIG_DFL;
     for (int sig = 1; sig < NSIG; sig++) {
@@ -288,18 +308,18 @@ __attribute__((noreturn, noinline)) static void child_exec(const torchmp_spawn_a
             reset = sigismember(&a->reset_signals, sig) == 1;
         }
         if (reset && sigaction(sig, &dfl, NULL) != 0)
-            child_fail(errpipe, TORCHMP_STEP_SIGNALS, errno);
+            child_fail(report, TORCHMP_STEP_SIGNALS, errno);
     }
 
-    step = torchmp_child_setup(a, errpipe, 1);
+    step = torchmp_child_setup(a, report->pipe_w, 1);
     if (step != 0)
-        child_fail(errpipe, step, errno);
+        child_fail(report, step, errno);
     if (a->cwd != NULL && chdir(a->cwd) != 0)
-        child_fail(errpipe, TORCHMP_STEP_CHDIR, errno);
+        child_fail(report, TORCHMP_STEP_CHDIR, errno);
 
     sigemptyset(&empty);
     if (sigprocmask(SIG_SETMASK, &empty, NULL) != 0)
-        child_fail(errpipe, TORCHMP_STEP_SIGNALS, errno);
+        child_fail(report, TORCHMP_STEP_SIGNALS, errno);
 
     envp = a->envp != NULL ? a->envp : environ;
     if (a->exec_paths != NULL) {
@@ -310,10 +330,10 @@ __attribute__((noreturn, noinline)) static void child_exec(const torchmp_spawn_a
             if (last != ENOENT && last != ENOTDIR && first == 0)
                 first = last;
         }
-        child_fail(errpipe, TORCHMP_STEP_EXEC, first != 0 ? first : last);
+        child_fail(report, TORCHMP_STEP_EXEC, first != 0 ? first : last);
     }
     execve(a->path, a->argv, envp);
-    child_fail(errpipe, TORCHMP_STEP_EXEC, errno);
+    child_fail(report, TORCHMP_STEP_EXEC, errno);
 }
 
 /* ---- parent side -------------------------------------------------------- */
@@ -354,59 +374,98 @@ static void reap_quietly(pid_t pid)
 
 /* Kept apart so that nothing of the caller's frame is live across vfork: the
  * child shares this stack until it execs or exits. */
-__attribute__((noinline)) static pid_t fork_exec(const torchmp_spawn_args *a, int errpipe_w)
+__attribute__((noinline)) static pid_t fork_exec(const torchmp_spawn_args *a, const child_report *report)
 {
     pid_t pid;
 #ifdef TORCHMP_HAVE_VFORK
-    if (a->use_vfork)
+    if (report->use_vfork)
         pid = vfork();
     else
 #endif
         pid = fork();
     if (pid == 0)
-        child_exec(a, errpipe_w);
+        child_exec(a, report);
     return pid;
 }
+
+/* Whether a vfork child shares this process's memory: -1 not known yet, 1
+ * yes, 0 no (vfork run as fork, as valgrind does).  Until it is known to, a
+ * vfork launch reports through a pipe too. */
+static int vfork_shares_memory = -1;
 
 int torchmp_spawn(const torchmp_spawn_args *a, pid_t *pid_out, torchmp_spawn_error *err)
 {
     int errpipe[2];
     pid_t pid;
     torchmp_spawn_error rec;
+    volatile torchmp_spawn_error *shared = &rec;
+    volatile int seen = 0;
     size_t got = 0;
+    child_report report;
+    int use_pipe;
 
     err->step = TORCHMP_STEP_NONE;
     err->errnum = 0;
+    shared->step = TORCHMP_STEP_NONE;
+    shared->errnum = 0;
+    report.use_vfork = 0;
+#ifdef TORCHMP_HAVE_VFORK
+    report.use_vfork = a->use_vfork;
+#endif
+    report.shared = report.use_vfork ? shared : NULL;
+    report.seen = report.use_vfork ? &seen : NULL;
+    report.pipe_w = -1;
+    use_pipe = !report.use_vfork || __atomic_load_n(&vfork_shares_memory, __ATOMIC_RELAXED) != 1;
 
-    if (torchmp_pipe_cloexec(errpipe) != 0) {
-        err->step = TORCHMP_STEP_PIPE;
-        err->errnum = errno;
-        return -1;
-    }
-    errpipe[0] = fd_above_stdio(errpipe[0]);
-    errpipe[1] = fd_above_stdio(errpipe[1]);
-    if (errpipe[0] < 0 || errpipe[1] < 0) {
-        int saved = errno;
-        if (errpipe[0] >= 0)
-            close(errpipe[0]);
-        if (errpipe[1] >= 0)
-            close(errpipe[1]);
-        err->step = TORCHMP_STEP_PIPE;
-        err->errnum = saved;
-        errno = saved;
-        return -1;
+    if (use_pipe) {
+        if (torchmp_pipe_cloexec(errpipe) != 0) {
+            err->step = TORCHMP_STEP_PIPE;
+            err->errnum = errno;
+            return -1;
+        }
+        errpipe[0] = fd_above_stdio(errpipe[0]);
+        errpipe[1] = fd_above_stdio(errpipe[1]);
+        if (errpipe[0] < 0 || errpipe[1] < 0) {
+            int saved = errno;
+            if (errpipe[0] >= 0)
+                close(errpipe[0]);
+            if (errpipe[1] >= 0)
+                close(errpipe[1]);
+            err->step = TORCHMP_STEP_PIPE;
+            err->errnum = saved;
+            errno = saved;
+            return -1;
+        }
+        report.pipe_w = errpipe[1];
     }
 
-    pid = fork_exec(a, errpipe[1]);
+    pid = fork_exec(a, &report);
     if (pid < 0) {
         int saved = errno;
-        close(errpipe[0]);
-        close(errpipe[1]);
+        if (use_pipe) {
+            close(errpipe[0]);
+            close(errpipe[1]);
+        }
         err->step = TORCHMP_STEP_FORK;
         err->errnum = saved;
         errno = saved;
         return -1;
     }
+
+    if (!use_pipe) {
+        /* The vfork child has exec'd (nothing in the record) or exited. */
+        if (shared->step == TORCHMP_STEP_NONE) {
+            *pid_out = pid;
+            return 0;
+        }
+        err->step = shared->step;
+        err->errnum = shared->errnum;
+        reap_quietly(pid);
+        errno = err->errnum;
+        return -1;
+    }
+    if (report.use_vfork)
+        __atomic_store_n(&vfork_shares_memory, seen ? 1 : 0, __ATOMIC_RELAXED);
     close(errpipe[1]);
 
     /* Read to EOF: the child either exec'd (EOF, nothing read) or wrote one

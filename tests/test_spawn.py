@@ -332,6 +332,53 @@ def test_no_vfork_kill_switch_and_poll_backend_work(tmp_path):
     assert res.stdout == b"poll 7\n", res.stderr
 
 
+@pytest.mark.parametrize("no_vfork", ["0", "1"])
+def test_a_child_that_cannot_exec_reports_its_step_and_is_reaped(tmp_path, no_vfork):
+    # A vfork child leaves its {step, errno} record in the launcher's memory;
+    # a fork()ed one writes it to a pipe.  Either way the launcher gets the
+    # step that failed, reaps the child and keeps no descriptor.
+    bad = tmp_path / "bad"
+    bad.write_bytes(b"\x7fELF-not-really")  # executable, but not a format exec knows
+    bad.chmod(0o755)
+    script = f"""
+        import errno, os, torchmp
+        # Both launch paths once first: what they keep for the process (the
+        # I/O thread, the keeper) is open before the count.
+        torchmp.run(["true"])
+        ctx = torchmp.start_processes("w", "true", {{0: ()}}, {{0: {{}}}},
+                                      torchmp.DefaultLogsSpecs(log_dir={str(tmp_path / "logs")!r}))
+        ctx.wait()
+        ctx.close()
+        fds = sorted(os.listdir("/proc/self/fd"))
+        seen = []
+        for attempt in range(3):
+            try:
+                torchmp.run([{str(bad)!r}])
+            except OSError as e:
+                seen.append(("exec", errno.errorcode[e.errno], e.filename))
+            try:
+                torchmp.run(["true"], cwd={str(tmp_path / "missing")!r})
+            except OSError as e:
+                seen.append(("chdir", type(e).__name__, str(e.filename)))
+            try:
+                torchmp.start_processes("w", {str(bad)!r}, {{0: ()}}, {{0: {{}}}},
+                                        torchmp.DefaultLogsSpecs(log_dir={str(tmp_path / "logs")!r}))
+            except OSError as e:
+                seen.append(("rank", errno.errorcode[e.errno], e.filename))
+        try:
+            os.waitpid(-1, os.WNOHANG)
+            left = "a child is left"
+        except ChildProcessError:
+            left = "no child"
+        print(sorted(set(seen)), sorted(os.listdir("/proc/self/fd")) == fds, left,
+              torchmp.run(["echo", "ok"], capture_output=True).stdout)
+    """
+    res = run_launcher(script, env={"TORCHMP_NO_VFORK": no_vfork})
+    expected = [("chdir", "FileNotFoundError", str(tmp_path / "missing")),
+                ("exec", "ENOEXEC", str(bad)), ("rank", "ENOEXEC", str(bad))]
+    assert res.stdout.decode() == f"{expected} True no child b'ok\\n'\n", res.stderr.decode()
+
+
 def test_spawn_loops_do_not_grow_fds(tmp_path):
     def cycle(i):
         ctx = launch("sh", {r: ("-c", "echo out; echo err >&2") for r in range(4)},
