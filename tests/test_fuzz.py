@@ -309,6 +309,32 @@ def test_a_bytes_argument_with_nul_is_rejected(tmp_path):
         ctx.close()
 
 
+_ENV_TEXT = st.text(st.sampled_from(["A", "\u00e9", "=", "\0", "\udcff", "\U0001f680", " "]), max_size=4)
+
+
+@fuzz(400)
+@given(key=_ENV_TEXT, value=_ENV_TEXT)
+def test_an_env_item_is_encoded_as_os_fsencode_or_rejected(key, value):
+    # The model: os.fsencode of both, a name that is non-empty without '=' or
+    # NUL, a value without NUL.  (The str/str fast path must agree with it,
+    # error message included.)
+    from torchmp._inputs import encode_env_item
+    try:
+        kb, vb = os.fsencode(key), os.fsencode(value)
+    except UnicodeEncodeError:
+        kb = vb = None
+    valid = kb is not None and kb and b"=" not in kb and b"\0" not in kb and b"\0" not in vb
+    if valid:
+        assert encode_env_item(3, key, value) == (kb, vb)
+        assert encode_env_item(3, kb, vb) == (kb, vb)
+    else:
+        with pytest.raises((ValueError, UnicodeEncodeError)) as info:
+            encode_env_item(3, key, value)
+        if kb is not None:
+            assert str(info.value).startswith("envs[3]"), info.value
+            assert ("name" in str(info.value)) == (not kb or b"=" in kb or b"\0" in kb)
+
+
 # --- prefixes ------------------------------------------------------------------------
 
 def _frame(prefix: bytes, chunks, max_line=256 * 1024, scratch=4096) -> bytes:

@@ -4,6 +4,7 @@ directory is created or any process started."""
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any, TypeGuard, cast
 
@@ -161,7 +162,20 @@ def check_name(name: object) -> str:
     return name
 
 
+# What os.fsencode uses, read once: encode_env_item runs for every variable
+# of every rank, more than once per launch.
+_FS_ENCODING = sys.getfilesystemencoding()
+_FS_ERRORS = sys.getfilesystemencodeerrors()
+
+
 def encode_env_item(rank: int, key: object, value: object) -> tuple[bytes, bytes]:
+    if type(key) is str and type(value) is str:
+        # The usual item, encoded as os.fsencode does, without its calls;
+        # anything wrong with it is named by the checks below.
+        kb = key.encode(_FS_ENCODING, _FS_ERRORS)
+        vb = value.encode(_FS_ENCODING, _FS_ERRORS)
+        if kb and b"=" not in kb and b"\0" not in kb and b"\0" not in vb:
+            return kb, vb
     if isinstance(key, str):
         kb = os.fsencode(key)
     elif isinstance(key, bytes):

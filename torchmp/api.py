@@ -319,12 +319,14 @@ def start_processes(  # type: ignore[misc]  # one body for both overloads: its 5
             raise TypeError(f"start_processes() got multiple values for argument {key!r}")
         options[key] = value
 
-    name = check_name(name)
-    args = normalize_args(args)
-    nprocs = len(args)
-    envs = normalize_envs(envs, nprocs)
+    # name, args and envs are checked by the context's constructor, before
+    # anything starts; the subreaper needs them first (its marker goes into
+    # every rank's env, and no bad input may leave this process a subreaper).
     subreaper_id = None
     if subreaper:
+        name = check_name(name)
+        args = normalize_args(args)
+        envs = normalize_envs(envs, len(args))
         _escapees.make_subreaper()  # OSError (ENOSYS) before anything starts
         subreaper_id = uuid.uuid4().hex
         envs = {rank: {**env, _escapees.MARKER_VAR: subreaper_id} for rank, env in envs.items()}
@@ -356,11 +358,12 @@ def start_processes(  # type: ignore[misc]  # one body for both overloads: its 5
         }
 
     context: _NativeContext
+    rank_envs: Any = envs  # None too: the constructor gives each rank an empty env then
     if isinstance(entrypoint, str):
-        context = SubprocessContext(name, entrypoint, args, envs, spec_obj, **extra, **placement)
+        context = SubprocessContext(name, entrypoint, args, rank_envs, spec_obj, **extra, **placement)
     else:
         context = MultiprocessContext(
-            name, entrypoint, args, envs, start_method=start_method, logs_specs=spec_obj, **extra, **placement)
+            name, entrypoint, args, rank_envs, start_method=start_method, logs_specs=spec_obj, **extra, **placement)
     if timestamps:
         context.log_line_timestamps = True
     if console_backlog is not None:
