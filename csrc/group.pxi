@@ -470,19 +470,29 @@ cdef class Group:
         finally:
             free(buf)
 
-    def wait(self, double timeout, uint64_t known_version):
+    def wait(self, double timeout, uint64_t known_version, bint until_decided=False, bint fail_fast=True):
         """Block (GIL released) until the group's change counter is no longer
         known_version (the version of the caller's last snapshot), the group
         is released, or timeout seconds pass (negative: forever).  Returns
         True for a change.  Signal handlers run while waiting, so
         SignalException can interrupt it; a handler may even close the
-        context meanwhile (the wait then returns True)."""
+        context meanwhile (the wait then returns True).
+
+        until_decided: a change counts only once every rank has exited, or
+        (fail_fast) one has exited with a status other than 0 -- what a
+        context's wait() decides on -- so the caller is not woken to look at
+        each exit before the deciding one."""
         cdef int rc, err
         cdef int watch_exits = 1
         cdef int64_t wait_ns
+        cdef torchmp_proc_info *info = NULL
         import time
         self._enter()
         try:
+            if until_decided:
+                info = <torchmp_proc_info *>calloc(self.nprocs if self.nprocs else 1, sizeof(torchmp_proc_info))
+                if info == NULL:
+                    raise MemoryError()
             deadline = None if timeout < 0 else time.monotonic() + timeout
             while True:
                 if self.release_pending:
@@ -498,13 +508,34 @@ cdef class Group:
                 if rc < 0 and err != EINTR:
                     raise OSError(err, strerror(err).decode())
                 if rc > 0:
-                    return True
+                    if info == NULL or self.release_pending or not self._moved_undecided(info, &known_version,
+                                                                                         fail_fast):
+                        return True
                 # A signal may have arrived while the wait did not sleep.
                 PyErr_CheckSignals()
                 if rc == 0 and (wait_ns == 0 or deadline is not None and time.monotonic() >= deadline):
                     return False
         finally:
+            free(info)
             self._leave()
+
+    cdef bint _moved_undecided(self, torchmp_proc_info *info, uint64_t *known_version, bint fail_fast):
+        """After a change: whether it only recorded exits that decide
+        nothing (then *known_version is the new counter, to wait on).  A wake
+        with the counter unmoved (an interrupt) is for the caller."""
+        cdef uint64_t version = torchmp_group_snapshot(self.g, info, self.nprocs)
+        cdef int i, exited = 0
+        if version == known_version[0]:
+            return False
+        for i in range(self.nprocs):
+            if info[i].state == TORCHMP_PROC_EXITED:
+                exited += 1
+                if fail_fast and info[i].wait_status != 0:
+                    return False
+        if exited == self.nprocs:
+            return False
+        known_version[0] = version
+        return True
 
     def watch(self, Notifier notifier not None, uint64_t token):
         """Post NOTE_CHANGED with token to notifier whenever the change

@@ -276,6 +276,8 @@ class _NativeContext(PContext):
         return {rank: info.pid for rank, info in enumerate(ranks) if info.state != _core.PROC_UNSTARTED}
 
     def _decided(self, ranks: list[_core.ProcInfo]) -> bool:
+        # wait() sleeps in Group.wait(until_decided=True), which applies this
+        # rule in C after each exit: keep the two the same.
         exited = [info for info in ranks if info.state == _core.PROC_EXITED]
         return len(exited) == self.nprocs or (
             self.kill_on_bad_exit and any(exitcode(info.wait_status) != 0 for info in exited))
@@ -410,7 +412,9 @@ class _NativeContext(PContext):
                 if remaining <= 0:
                     return None
             try:
-                group.wait(remaining, version)
+                # Woken for the exit that decides (the last one, or a failure
+                # under fail-fast), not for each one before it.
+                group.wait(remaining, version, True, self.kill_on_bad_exit)
             except ValueError:
                 pass  # closed by another thread or a handler: _poll has the result
 
