@@ -494,6 +494,12 @@ def loop_exists() -> bool:
     return bool(torchmp_loop_exists())
 
 
+def groups_alive() -> int:
+    """How many native groups this process holds: a context's, until the
+    I/O thread frees it some time after close() released it."""
+    return torchmp_groups_alive()
+
+
 def consoles_pending(int fd=-1) -> int:
     """Bytes waiting for the launcher's fd 1 / fd 2 consoles, held-back ones
     included (0: caught up); fd >= 0: only for the console of what fd

@@ -81,6 +81,7 @@ cdef extern from "torchmp.h" nogil:
     uint64_t torchmp_consoles_shown(int fd)
     int torchmp_say(torchmp_console *queue, int fd, const char *data, size_t len)
     int torchmp_loop_exists()
+    int torchmp_groups_alive()
     void torchmp_consoles_set_stall(int64_t ns)
     int torchmp_console_gone(int err)
     int torchmp_console_failure(int std_fd)

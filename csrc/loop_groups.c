@@ -194,9 +194,20 @@ static int filters_copy(torchmp_filters *dst, const torchmp_filters *src)
     return 0;
 }
 
+/* Groups allocated and not freed yet, in this process (a forked child starts
+ * from its parent's count: its copies of them are never freed). */
+static int groups_alive;
+
+int torchmp_groups_alive(void)
+{
+    return __atomic_load_n(&groups_alive, __ATOMIC_RELAXED);
+}
+
 void torchmp_loop_group_free(torchmp_group *g)
 {
-    for (int i = 0; i < g->nprocs; i++) {
+    __atomic_sub_fetch(&groups_alive, 1, __ATOMIC_RELAXED);
+    /* (procs is NULL when torchmp_group_new could not allocate it) */
+    for (int i = 0; g->procs != NULL && i < g->nprocs; i++) {
         torchmp_proc *p = &g->procs[i];
         close_fd(&p->pidfd);
         for (int w = 0; w < STREAM_COUNT; w++) {
@@ -336,6 +347,7 @@ torchmp_group *torchmp_group_new(int nprocs,
     g = calloc(1, sizeof(*g));
     if (g == NULL)
         return NULL;
+    __atomic_add_fetch(&groups_alive, 1, __ATOMIC_RELAXED);
     g->loop = L;
     g->nprocs = nprocs;
     g->filtered_fd[0] = g->filtered_fd[1] = -1;
@@ -660,9 +672,26 @@ int torchmp_group_finish_streams(torchmp_group *g)
     return 0;
 }
 
+/* Whether the loop has nothing to do for a released group but free it: its
+ * ranks were spawned in the caller's thread (no stream is the loop's), every
+ * one has exited (its pidfd closed before the state said so) and been reaped
+ * (no zombie), and no event loop watches it.  Caller holds mu. */
+static int release_is_only_freeing_locked(const torchmp_group *g)
+{
+    if (!g->spawned_here || g->watchers != NULL)
+        return 0;
+    for (int i = 0; i < g->nprocs; i++) {
+        const torchmp_proc *p = &g->procs[i];
+        if (p->info.state != TORCHMP_PROC_EXITED || p->unreaped)
+            return 0;
+    }
+    return 1;
+}
+
 void torchmp_group_release(torchmp_group *g)
 {
     command *c;
+    int only_freeing;
     if (!torchmp_loop_group_is_ours(g))
         return; /* the parent's loop owns it; leave it alone */
     c = calloc(1, sizeof(*c));
@@ -672,5 +701,14 @@ void torchmp_group_release(torchmp_group *g)
     }
     c->type = CMD_RELEASE;
     c->group = g;
-    torchmp_loop_submit(g->loop, c, 0);
+    pthread_mutex_lock(&g->loop->mu);
+    only_freeing = release_is_only_freeing_locked(g);
+    pthread_mutex_unlock(&g->loop->mu);
+    /* Freeing memory can wait for the loop's next wake-up (the next launch's
+     * exit, or any command): a wake-up of its own cost the I/O thread a third
+     * of its CPU for a launch of one binary. */
+    if (only_freeing)
+        torchmp_loop_queue_quietly(g->loop, c, g->nprocs);
+    else
+        torchmp_loop_submit(g->loop, c, 0);
 }

@@ -296,6 +296,8 @@ typedef struct torchmp_loop {
     pthread_mutex_t mu;
     pthread_cond_t cmd_done;
     command *cmd_head, *cmd_tail;
+    int quiet_queued;          /* atomic: the ranks of the releases queued without a wake-up,
+                                * run at the next one */
     torchmp_group *groups;
     char *readbuf;
     long pipe_budget;          /* pipe capacity we may still add to busy streams */
@@ -392,6 +394,7 @@ static inline void close_fd(int *fd)
 /* The loop of this process, created on first use (NULL with errno). */
 torchmp_loop *torchmp_loop_get(void);
 int torchmp_loop_submit(torchmp_loop *L, command *c, int wait_done);
+void torchmp_loop_queue_quietly(torchmp_loop *L, command *c, int weight);
 int torchmp_loop_notify_open(int *r, int *w);
 void torchmp_loop_notify_close(int *r, int *w);
 

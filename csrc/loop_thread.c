@@ -294,6 +294,9 @@ static void *loop_main(void *arg)
                     torchmp_loop_proc_exit_event(L, exit_events[j].ptr);
             }
         }
+        /* Whatever woke the loop: what was queued to wait for a wake-up. */
+        if (__atomic_exchange_n(&L->quiet_queued, 0, __ATOMIC_ACQ_REL))
+            run_commands(L);
         torchmp_loop_follow_pump(L);
         torchmp_loop_streams_tick(L);
         torchmp_loop_commands_tick(L);
@@ -500,8 +503,7 @@ int torchmp_say(torchmp_console *queue, int fd, const char *data, size_t len)
 
 #define SUBMIT_SPIN_NS 200000
 
-/* Queue a command and wait for the loop to run it (unless it is a release). */
-int torchmp_loop_submit(torchmp_loop *L, command *c, int wait_done)
+static void queue_command(torchmp_loop *L, command *c)
 {
     c->next = NULL;
     c->done = 0;
@@ -512,6 +514,27 @@ int torchmp_loop_submit(torchmp_loop *L, command *c, int wait_done)
         L->cmd_head = c;
     L->cmd_tail = c;
     pthread_mutex_unlock(&L->mu);
+}
+
+/* What may wait for the loop's next wake-up: the ranks of that many groups
+ * (about 1 KiB each) at most, then the loop is woken to free them. */
+#define QUIET_QUEUE_MAX 64
+
+/* Queue a command for the loop's next wake-up, whatever wakes it: for work
+ * that may wait (a release with nothing left to watch), of weight ranks.
+ * An exit the caller collects first may not wake the loop at all, so the
+ * queue is bounded. */
+void torchmp_loop_queue_quietly(torchmp_loop *L, command *c, int weight)
+{
+    queue_command(L, c);
+    if (__atomic_add_fetch(&L->quiet_queued, weight > 0 ? weight : 1, __ATOMIC_ACQ_REL) > QUIET_QUEUE_MAX)
+        torchmp_loop_notify_post(L->wake_w);
+}
+
+/* Queue a command and wait for the loop to run it (unless it is a release). */
+int torchmp_loop_submit(torchmp_loop *L, command *c, int wait_done)
+{
+    queue_command(L, c);
     torchmp_loop_notify_post(L->wake_w);
     if (!wait_done)
         return 0;

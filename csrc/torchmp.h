@@ -590,6 +590,9 @@ void torchmp_group_release(torchmp_group *g);
 /* Whether this process has its I/O thread (started by its first group). */
 int torchmp_loop_exists(void);
 
+/* How many groups this process has allocated and not freed yet. */
+int torchmp_groups_alive(void);
+
 /* Bytes still waiting for the launcher's fd 1 / fd 2 consoles, held-back
  * ones included (plus one per console whose marker lines are due): 0 once
  * every console caught up; and the bytes they took so far (their progress).

@@ -1,9 +1,12 @@
 """The shortcuts the launch path takes for speed (issue 22) give the same
 answers as the long way: the OOM-killer baseline's cached cgroup follows a
-move to another cgroup and a fork, and the signal handlers installed through
-CPython's C function are torch's handler, as signal.signal would install."""
+move to another cgroup and a fork, the signal handlers installed through
+CPython's C function are torch's handler, as signal.signal would install, and
+a finished launch's group is freed without a wake-up of the I/O thread of its
+own."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -12,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from torchmp import _oom, _signals, api
+
+from helpers import run_launcher
 
 CGROUP_V2 = "0::/job/a\n"
 MOUNTINFO_V2 = "30 1 0:26 / {root} rw,nosuid - cgroup2 cgroup2 rw\n"
@@ -89,3 +94,45 @@ def test_a_replaced_signal_function_is_still_called(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(signal, "signal", lambda sig, handler: calls.append((sig, handler)))
     api._install_signal_handlers()
     assert calls == [(signal.SIGUSR2, _signals.terminate_process_handler)]
+
+
+def test_a_finished_launch_is_freed_without_a_wake_up_of_its_own(tmp_path: Path) -> None:
+    # A one-binary launch spawned in the caller's thread wakes the I/O thread
+    # once, for the exit (it records it even while the caller collects it).
+    # When close() has reaped the rank, freeing the group waits for the I/O
+    # thread's next wake-up instead of waking it again -- and the groups are
+    # still freed, a bounded number at a time.
+    script = f"""
+        import json, os, torchmp
+        from torchmp import _core
+        def launch():
+            ctx = torchmp.start_processes("w", "true", {{0: ()}}, {{0: {{}}}},
+                                          torchmp.DefaultLogsSpecs(log_dir={str(tmp_path)!r}))
+            ctx.wait()
+            ctx.close()
+        for _ in range(100):
+            launch()
+        io = [t for t in os.listdir("/proc/self/task")
+              if open(f"/proc/self/task/{{t}}/comm").read().strip() == "torchmp-io"][0]
+        def sleeps():
+            for line in open(f"/proc/self/task/{{io}}/status"):
+                if line.startswith("voluntary_ctxt_switches"):
+                    return int(line.split()[1])
+        before = sleeps()
+        for _ in range(40):
+            launch()
+        woken = sleeps() - before
+        most = 0
+        for _ in range(1000):
+            launch()
+            most = max(most, _core.groups_alive())
+        print(json.dumps({{"backend": _core.backend(), "woken": woken, "most_alive": most}}))
+    """
+    res = run_launcher(script, timeout=120)
+    assert res.returncode == 0, res.stderr.decode()
+    got = json.loads(res.stdout)
+    # Groups released since the I/O thread last woke wait for it: 64 ranks'
+    # worth at most, plus those released while it wakes up.
+    assert got["most_alive"] <= 128, got
+    if got["backend"] == "epoll":  # (the poll backend spawns from the I/O thread: a command each)
+        assert got["woken"] <= 70, got  # 80 when each release woke it
