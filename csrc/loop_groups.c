@@ -705,8 +705,8 @@ void torchmp_group_release(torchmp_group *g)
     only_freeing = release_is_only_freeing_locked(g);
     pthread_mutex_unlock(&g->loop->mu);
     /* Freeing memory can wait for the loop's next wake-up (the next launch's
-     * exit, or any command): a wake-up of its own cost the I/O thread a third
-     * of its CPU for a launch of one binary. */
+     * exit, or any command): a wake-up of its own was one of the I/O thread's
+     * two for a launch of one binary. */
     if (only_freeing)
         torchmp_loop_queue_quietly(g->loop, c, g->nprocs);
     else

@@ -516,8 +516,8 @@ static void queue_command(torchmp_loop *L, command *c)
     pthread_mutex_unlock(&L->mu);
 }
 
-/* What may wait for the loop's next wake-up: the ranks of that many groups
- * (about 1 KiB each) at most, then the loop is woken to free them. */
+/* What may wait for the loop's next wake-up: groups of that many ranks in
+ * all (about 1 KiB a rank), then the loop is woken to free them. */
 #define QUIET_QUEUE_MAX 64
 
 /* Queue a command for the loop's next wake-up, whatever wakes it: for work
