@@ -79,10 +79,11 @@ def _kill_and_reap(procs: list[psutil.Process]) -> None:
 # A few tests pass tens of MB through it (64 MB return values, 16 MB of
 # console text), and glibc keeps what they freed: its mmap threshold rises
 # to the largest block freed, so the next big blocks come from the heap and
-# stay there.  With the threshold fixed and the heap trimmed after each test,
-# the process stays at about 70 MB for the whole suite instead of growing to
-# 150 MB by its middle.  (Under the sanitizers' preload these calls reach
-# glibc's allocator, which ASan has replaced: harmless no-ops.)
+# stay there.  With the threshold fixed and the heap trimmed after each
+# test, the process stays at 80-99 MB through the non-torch tests instead of
+# growing to 150 MB by the middle of the suite.  (Under the sanitizers'
+# preload these calls reach glibc's allocator, which ASan has replaced:
+# harmless no-ops.)
 try:
     _libc = ctypes.CDLL(None)
     _malloc_trim = _libc.malloc_trim
