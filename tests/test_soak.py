@@ -22,6 +22,7 @@ imports only torchmp, psutil and what it tests.  Two reasons:
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import pytest
 
@@ -153,10 +154,6 @@ def _summary(figures: dict) -> str:
             f"({(after['rss'] - before['rss']) / 1024:+.0f} KiB)")
 
 
-def _lines(lines: list[bytes]) -> dict[bytes, int]:
-    return {line: lines.count(line) for line in set(lines)}
-
-
 def _assert_flat(before: dict, after: dict, rss_bound: int, what: str) -> None:
     assert after["fds"] == before["fds"]
     assert after["threads"] == before["threads"]
@@ -172,9 +169,9 @@ def test_start_wait_close_cycles_leave_nothing_behind(tmp_path, kind, cycles):
     print(f"\nsoak ({kind}): cycles after {WARMUP} warm-up: {summary}")
     # Every cycle's tee reached the launcher's console whole, and nothing else did.
     ranks = (0, 1) if kind == "binary" else (0,)  # (the forked rank 0 writes x to fd 1, rank 1 y to fd 2)
-    assert _lines(out.splitlines()[:-1]) == {f"[soak{r}]:x".encode(): cycles for r in ranks}
+    assert Counter(out.splitlines()[:-1]) == {f"[soak{r}]:x".encode(): cycles for r in ranks}
     ranks = (0, 1) if kind == "binary" else (1,)
-    assert _lines(err.splitlines()) == {f"[soak{r}]:y".encode(): cycles for r in ranks}
+    assert Counter(err.splitlines()) == {f"[soak{r}]:y".encode(): cycles for r in ranks}
     _assert_flat(before, after, 1 << 20, f"{cycles - WARMUP} cycles")
 
 
