@@ -115,7 +115,7 @@ extension = Extension(
     extra_compile_args=compile_args,
     extra_link_args=link_args,
     depends=["csrc/torchmp.h", "csrc/command.h", "csrc/loop_internal.h", "csrc/console_internal.h",
-             "csrc/ctorchmp.pxd", "csrc/specs.pxi", "csrc/group.pxi", "csrc/fork.pxi",
+             "csrc/ctorchmp.pxd", "csrc/signal_wake.pxi", "csrc/specs.pxi", "csrc/group.pxi", "csrc/fork.pxi",
              "csrc/command.pxi"]
     + C_SOURCES,
 )

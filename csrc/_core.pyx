@@ -303,6 +303,7 @@ def nofile_limits():
             -1 if lim.rlim_max == RLIM_INFINITY else <long long>lim.rlim_max)
 
 
+include "signal_wake.pxi"
 include "specs.pxi"
 include "group.pxi"
 include "fork.pxi"

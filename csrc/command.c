@@ -371,13 +371,13 @@ static int64_t min_wait(int64_t a, int64_t b)
     return a < b ? a : b;
 }
 
-static int direct_wait(torchmp_command *c, int64_t timeout_ns, int until)
+static int direct_wait(torchmp_command *c, int64_t timeout_ns, int until, int signal_fd)
 {
     char scratch[SCRATCH];
     int64_t start = clock_ns(CLOCK_MONOTONIC);
     for (;;) {
-        struct pollfd pfd[3];
-        int who[3], n = 0, rc, exited;
+        struct pollfd pfd[4];
+        int who[4], n = 0, rc, exited, signalled = 0;
         int64_t now = clock_ns(CLOCK_MONOTONIC), wait_ns;
         struct timespec ts;
 
@@ -388,8 +388,8 @@ static int direct_wait(torchmp_command *c, int64_t timeout_ns, int until)
         if (timeout_ns >= 0 && wait_ns <= 0)
             return 0;
         exited = (torchmp_command_state(c) & TORCHMP_CMD_EXITED) != 0;
-        if (!exited && wait_ns < 0 && c->fd[0] < 0 && c->fd[1] < 0) {
-            /* Nothing to read and no time limit: one blocking waitid. */
+        if (!exited && wait_ns < 0 && c->fd[0] < 0 && c->fd[1] < 0 && signal_fd < 0) {
+            /* Nothing to read, no time limit, no signal fd: one blocking waitid. */
             int status = 0;
             int64_t ut = 0, st = 0, rss = 0;
             rc = torchmp_wait_exit(c->pid, &status, &ut, &st, &rss);
@@ -414,6 +414,11 @@ static int direct_wait(torchmp_command *c, int64_t timeout_ns, int until)
                 who[n++] = w;
             }
         }
+        if (signal_fd >= 0) {
+            pfd[n].fd = signal_fd;
+            pfd[n].events = POLLIN;
+            who[n++] = -2;
+        }
         ts.tv_sec = wait_ns / 1000000000LL;
         ts.tv_nsec = wait_ns % 1000000000LL;
         rc = ppoll(pfd, (nfds_t)n, wait_ns < 0 ? NULL : &ts, NULL);
@@ -422,6 +427,10 @@ static int direct_wait(torchmp_command *c, int64_t timeout_ns, int until)
         for (int i = 0; i < n && rc > 0; i++) {
             if (pfd[i].revents == 0)
                 continue;
+            if (who[i] == -2) {
+                signalled = 1;
+                continue;
+            }
             if (who[i] < 0) {
                 (void)torchmp_command_collect(c);
                 continue;
@@ -436,12 +445,16 @@ static int direct_wait(torchmp_command *c, int64_t timeout_ns, int until)
                     break;
             }
         }
+        if (signalled) {
+            errno = EINTR; /* the caller runs its handlers and calls again */
+            return -1;
+        }
     }
 }
 
 /* Watched by the loop: sleep on the notifier (the caller's alone) until the
  * loop has moved the state on. */
-static int watched_wait(torchmp_command *c, int64_t timeout_ns, int until)
+static int watched_wait(torchmp_command *c, int64_t timeout_ns, int until, int signal_fd)
 {
     int64_t start = clock_ns(CLOCK_MONOTONIC);
     for (;;) {
@@ -452,31 +465,35 @@ static int watched_wait(torchmp_command *c, int64_t timeout_ns, int until)
         left = timeout_ns < 0 ? -1 : start + timeout_ns - clock_ns(CLOCK_MONOTONIC);
         if (timeout_ns >= 0 && left <= 0)
             return 0;
-        rc = torchmp_wait_readable(torchmp_notifier_fd(c->notifier), -1, left);
+        rc = torchmp_wait_readable(torchmp_notifier_fd(c->notifier), signal_fd, -1, left);
         if (rc < 0)
             return -1;
-        if (rc > 0) {
+        if (rc & 1) {
             size_t count;
             int overflow;
             free(torchmp_notifier_take(c->notifier, &count, &overflow));
         }
+        if (rc & 2) {
+            errno = EINTR; /* the caller runs its handlers and calls again */
+            return -1;
+        }
     }
 }
 
-int torchmp_command_wait(torchmp_command *c, int64_t timeout_ns, int until)
+int torchmp_command_wait(torchmp_command *c, int64_t timeout_ns, int until, int signal_fd)
 {
     if (torchmp_command_state(c) & TORCHMP_CMD_WATCHED) {
         if (c->notifier == NULL) {
             errno = EINVAL;
             return -1;
         }
-        return watched_wait(c, timeout_ns, until);
+        return watched_wait(c, timeout_ns, until, signal_fd);
     }
     if (torchmp_backend_choice() != TORCHMP_BACKEND_EPOLL) {
         errno = ENOSYS; /* no pidfd: only the I/O thread can see the exit */
         return -1;
     }
-    return direct_wait(c, timeout_ns, until);
+    return direct_wait(c, timeout_ns, until, signal_fd);
 }
 
 /* ---- signalling, reaping, results --------------------------------------- */

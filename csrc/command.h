@@ -102,8 +102,9 @@ void torchmp_command_release(torchmp_command *c);
 /* Wait until `until` (TORCHMP_UNTIL_*) holds or timeout_ns pass (negative:
  * forever), reading the output meanwhile; a watched command is waited for on
  * its notifier, which must be the caller's alone.  1: holds; 0: timeout;
- * -1 with errno (EINTR: a signal, call again). */
-int torchmp_command_wait(torchmp_command *c, int64_t timeout_ns, int until);
+ * -1 with errno (EINTR: a signal, call again).  signal_fd (ignored if
+ * negative): as for torchmp_group_wait, readable it ends the wait as EINTR. */
+int torchmp_command_wait(torchmp_command *c, int64_t timeout_ns, int until, int signal_fd);
 /* Hand the command to the I/O thread, which posts EXITED and DONE with
  * token to n (not waiting for the thread).  -1 with errno. */
 int torchmp_command_watch(torchmp_command *c, torchmp_notifier *n, uint64_t token);

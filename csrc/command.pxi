@@ -220,19 +220,29 @@ cdef class Command:
         timeout seconds pass (negative: forever); True if it holds.  Reads
         the output meanwhile.  Signal handlers run while it waits."""
         cdef int rc, err
-        cdef int64_t left_ns
+        cdef int signal_fd
+        cdef int64_t left_ns, wait_ns
         self._ok()
         deadline = None if timeout < 0 else time_ns() + <int64_t>(timeout * 1e9)
-        while True:
-            left_ns = -1 if deadline is None else max(0, deadline - time_ns())
-            with nogil:
-                rc = torchmp_command_wait(self.c, left_ns, until)
-                err = errno
-            if rc >= 0:
-                return rc == 1
-            if err != EINTR:
-                raise OSError(err, f"waiting for the command: {strerror(err).decode()}")
+        # (csrc/signal_wake.pxi, as in Group.wait)
+        signal_fd = signal_wake_begin()
+        try:
             PyErr_CheckSignals()
+            while True:
+                left_ns = -1 if deadline is None else max(0, deadline - time_ns())
+                wait_ns = signal_wake_slice_ns(signal_fd, left_ns)
+                with nogil:
+                    rc = torchmp_command_wait(self.c, wait_ns, until, signal_fd)
+                    err = errno
+                if rc == 1 or rc == 0 and wait_ns == left_ns:
+                    return rc == 1
+                if rc < 0 and err != EINTR:
+                    raise OSError(err, f"waiting for the command: {strerror(err).decode()}")
+                if rc < 0:
+                    signal_wake_drain(signal_fd)
+                PyErr_CheckSignals()
+        finally:
+            signal_wake_end(signal_fd)
 
     def killpg(self, int sig):
         """Signal the command's process group while its pid is pinned."""

@@ -191,7 +191,8 @@ cdef extern from "torchmp.h" nogil:
         int64_t last_data_ns[2]
     void torchmp_group_stream_state(torchmp_group *g, torchmp_stream_state *out, int n)
     size_t torchmp_group_tail(torchmp_group *g, int rank, int which, char *buf, size_t cap)
-    int torchmp_group_wait(torchmp_group *g, int64_t timeout_ns, uint64_t known_version, int *watch_exits) nogil
+    int torchmp_group_wait(torchmp_group *g, int64_t timeout_ns, uint64_t known_version, int *watch_exits,
+                           int signal_fd) nogil
     void torchmp_group_interrupt(torchmp_group *g)
     int torchmp_group_killpg(torchmp_group *g, int sig)
     int torchmp_group_signal(torchmp_group *g, int sig, const unsigned char *which, int only_running,
@@ -258,7 +259,7 @@ cdef extern from "torchmp.h" nogil:
         int64_t maxrss_kb
     torchmp_command *torchmp_command_start(const torchmp_command_spec *spec, torchmp_spawn_error *err)
     void torchmp_command_release(torchmp_command *c)
-    int torchmp_command_wait(torchmp_command *c, int64_t timeout_ns, int until)
+    int torchmp_command_wait(torchmp_command *c, int64_t timeout_ns, int until, int signal_fd)
     int torchmp_command_watch(torchmp_command *c, torchmp_notifier *n, uint64_t token)
     void torchmp_command_info_get(torchmp_command *c, torchmp_command_info *out)
     int torchmp_command_killpg(torchmp_command *c, int sig)

@@ -484,6 +484,7 @@ cdef class Group:
         each exit before the deciding one."""
         cdef int rc, err
         cdef int watch_exits = 1
+        cdef int signal_fd = -1
         cdef int64_t wait_ns
         cdef torchmp_proc_info *info = NULL
         import time
@@ -494,6 +495,10 @@ cdef class Group:
                 if info == NULL:
                     raise MemoryError()
             deadline = None if timeout < 0 else time.monotonic() + timeout
+            # (csrc/signal_wake.pxi) Then the handlers of signals that came
+            # before the watch began; those after it wake the sleep below.
+            signal_fd = signal_wake_begin()
+            PyErr_CheckSignals()
             while True:
                 if self.release_pending:
                     return True
@@ -502,8 +507,9 @@ cdef class Group:
                 else:
                     remaining = deadline - time.monotonic()
                     wait_ns = <int64_t>(min(remaining, 1e9) * 1e9) if remaining > 0 else 0
+                wait_ns = signal_wake_slice_ns(signal_fd, wait_ns)
                 with nogil:
-                    rc = torchmp_group_wait(self.g, wait_ns, known_version, &watch_exits)
+                    rc = torchmp_group_wait(self.g, wait_ns, known_version, &watch_exits, signal_fd)
                     err = errno
                 if rc < 0 and err != EINTR:
                     raise OSError(err, strerror(err).decode())
@@ -511,12 +517,15 @@ cdef class Group:
                     if info == NULL or self.release_pending or not self._moved_undecided(info, &known_version,
                                                                                          fail_fast):
                         return True
+                if rc < 0:
+                    signal_wake_drain(signal_fd)
                 # A signal may have arrived while the wait did not sleep.
                 PyErr_CheckSignals()
                 if rc == 0 and (wait_ns == 0 or deadline is not None and time.monotonic() >= deadline):
                     return False
         finally:
             free(info)
+            signal_wake_end(signal_fd)
             self._leave()
 
     cdef bint _moved_undecided(self, torchmp_proc_info *info, uint64_t *known_version, bint fail_fast):

@@ -422,14 +422,15 @@ void torchmp_group_unwatch(torchmp_group *g, torchmp_notifier *n)
     }
 }
 
-int torchmp_group_wait(torchmp_group *g, int64_t timeout_ns, uint64_t known_version, int *watch_exits)
+int torchmp_group_wait(torchmp_group *g, int64_t timeout_ns, uint64_t known_version, int *watch_exits,
+                       int signal_fd)
 {
     torchmp_loop *L = g->loop;
     int exits_fd = *watch_exits && L->exits != NULL ? torchmp_poller_fd(L->exits) : -1;
     int64_t start = exits_fd >= 0 ? clock_ns(CLOCK_MONOTONIC) : 0;
     int64_t now, until;
     group_waiter me;
-    int rc, changed;
+    int rc, changed, signalled = 0;
 
     pthread_mutex_lock(&L->mu);
     if (group_changed_locked(g, known_version)) {
@@ -451,7 +452,11 @@ int torchmp_group_wait(torchmp_group *g, int64_t timeout_ns, uint64_t known_vers
         return 1;
     }
 
-    rc = torchmp_wait_readable(me.wake_r, exits_fd, timeout_ns);
+    rc = torchmp_wait_readable(me.wake_r, exits_fd, signal_fd, timeout_ns);
+    if (rc > 0 && (rc & 4)) {
+        signalled = 1; /* the caller runs the handlers, then waits again */
+        rc &= ~4;
+    }
     if (rc > 0 && !(rc & 1) && g->spawned_here) {
         /* Some worker exited: if it is one of ours, record it here rather
          * than wait for the loop thread to wake, record it and wake us. */
@@ -474,7 +479,7 @@ int torchmp_group_wait(torchmp_group *g, int64_t timeout_ns, uint64_t known_vers
         rc = 0;
         while (now < until) {
             sched_yield();
-            rc = torchmp_wait_readable(me.wake_r, -1, 0);
+            rc = torchmp_wait_readable(me.wake_r, -1, -1, 0);
             if (rc != 0)
                 break;
             now = clock_ns(CLOCK_MONOTONIC);
@@ -497,6 +502,10 @@ int torchmp_group_wait(torchmp_group *g, int64_t timeout_ns, uint64_t known_vers
     }
     if (changed)
         return 1;
+    if (signalled) {
+        errno = EINTR;
+        return -1;
+    }
     return rc < 0 ? -1 : 0;
 }
 

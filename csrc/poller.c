@@ -221,12 +221,12 @@ int torchmp_poller_wait(torchmp_poller *p, torchmp_event *events, int max_events
     }
 }
 
-int torchmp_wait_readable(int fd, int other_fd, int64_t timeout_ns)
+int torchmp_wait_readable(int fd, int other_fd, int signal_fd, int64_t timeout_ns)
 {
-    struct pollfd p[2];
+    struct pollfd p[3];
     int rc;
-    for (int i = 0; i < 2; i++) {
-        p[i].fd = i == 0 ? fd : other_fd; /* poll() skips a negative fd */
+    for (int i = 0; i < 3; i++) {
+        p[i].fd = i == 0 ? fd : i == 1 ? other_fd : signal_fd; /* poll() skips a negative fd */
         p[i].events = POLLIN;
         p[i].revents = 0;
     }
@@ -235,20 +235,20 @@ int torchmp_wait_readable(int fd, int other_fd, int64_t timeout_ns)
         struct timespec ts;
         ts.tv_sec = (time_t)(timeout_ns / 1000000000);
         ts.tv_nsec = (long)(timeout_ns % 1000000000);
-        rc = ppoll(p, 2, &ts, NULL);
+        rc = ppoll(p, 3, &ts, NULL);
     } else {
-        rc = ppoll(p, 2, NULL, NULL);
+        rc = ppoll(p, 3, NULL, NULL);
     }
 #else
     if (timeout_ns < 0) {
-        rc = poll(p, 2, -1);
+        rc = poll(p, 3, -1);
     } else {
         /* Round up, as selectors do: never wake just before the deadline. */
         int64_t ms = (timeout_ns + 999999) / 1000000;
-        rc = poll(p, 2, ms > INT32_MAX ? INT32_MAX : (int)ms);
+        rc = poll(p, 3, ms > INT32_MAX ? INT32_MAX : (int)ms);
     }
 #endif
     if (rc <= 0)
         return rc;
-    return (p[0].revents != 0 ? 1 : 0) | (p[1].revents != 0 ? 2 : 0);
+    return (p[0].revents != 0 ? 1 : 0) | (p[1].revents != 0 ? 2 : 0) | (p[2].revents != 0 ? 4 : 0);
 }

@@ -547,7 +547,7 @@ int torchmp_forkserver_request(int sock, const char *msg, size_t len, const int 
         mh.msg_controllen = 0;
     }
     while (got < sizeof(answer)) {
-        int rc = torchmp_wait_readable(sock, -1, timeout_ns);
+        int rc = torchmp_wait_readable(sock, -1, -1, timeout_ns);
         if (rc < 0 && errno == EINTR)
             continue; /* the caller holds its signals until the pid is recorded */
         if (rc < 0)

@@ -386,12 +386,13 @@ int torchmp_poller_fd_count(const torchmp_poller *p);
 /* The epoll fd (pollable: readable while an event is ready); -1 for poll(). */
 int torchmp_poller_fd(const torchmp_poller *p);
 
-/* Wait until fd or other_fd (ignored if negative) is readable or timeout_ns
- * pass (negative: forever), to the microsecond where the platform allows
- * (ppoll) rather than poll()'s whole milliseconds, which would overshoot a
- * close() timeout.  Returns 0 on timeout, else bit 0 set if fd is readable
- * and bit 1 if other_fd is; -1 with errno (EINTR included). */
-int torchmp_wait_readable(int fd, int other_fd, int64_t timeout_ns);
+/* Wait until fd, other_fd or signal_fd (each ignored if negative) is
+ * readable or timeout_ns pass (negative: forever), to the microsecond where
+ * the platform allows (ppoll) rather than poll()'s whole milliseconds, which
+ * would overshoot a close() timeout.  Returns 0 on timeout, else bit 0 set if
+ * fd is readable, bit 1 if other_fd is and bit 2 if signal_fd is; -1 with
+ * errno (EINTR included). */
+int torchmp_wait_readable(int fd, int other_fd, int signal_fd, int64_t timeout_ns);
 
 /* ---------------------------------------------------------------------------
  * loop_*.c: the I/O thread and worker groups (one group per PContext).
@@ -546,8 +547,11 @@ size_t torchmp_group_tail(torchmp_group *g, int rank, int which, char *buf, size
  * signal; call again).  Any number of threads may wait at once.
  * *watch_exits starts at 1 for each wait and is cleared when watching the
  * workers' exits directly stops paying off; keep it across the calls of one
- * wait. */
-int torchmp_group_wait(torchmp_group *g, int64_t timeout_ns, uint64_t known_version, int *watch_exits);
+ * wait.  signal_fd (ignored if negative) is watched too: the fd a signal's
+ * arrival is written to, whichever thread took it (CPython's wake-up fd);
+ * readable, it ends the wait as EINTR does. */
+int torchmp_group_wait(torchmp_group *g, int64_t timeout_ns, uint64_t known_version, int *watch_exits,
+                       int signal_fd);
 /* Whether child pid has exited, without reaping it: 1 with its wait(2)-style
  * status and rusage filled in (on Linux; zeros elsewhere), 0 if it runs,
  * -1 with errno (ECHILD: not a child, or reaped by somebody else). */

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -127,6 +128,50 @@ def test_grandchildren_of_exited_workers_are_killed_when_the_run_ends(tmp_path):
         ctx.close()
     finally:
         kill_groups(grandchild)
+
+
+def _signal_from_another_thread(sig, delay):
+    """A timer thread that sends sig to itself: CPython's C handler runs in
+    that thread, and only flags the signal for the main thread (as when the
+    kernel gives a process's signal to some other thread)."""
+    return threading.Timer(delay, lambda: signal.pthread_kill(threading.get_ident(), sig))
+
+
+@pytest.mark.parametrize("wakeup_fd", ["none", "an event loop's"])
+def test_a_handler_runs_during_wait_whichever_thread_took_the_signal(tmp_path, wakeup_fd):
+    # A graceful-shutdown handler that closes the context while main sits
+    # in wait(20): it must run at once, not when the wait times out.
+    ctx = launch("sleep", {0: ("30",), 1: ("30",)}, log_dir=tmp_path)
+    ran: list[float] = []
+
+    def handler(signum, frame):
+        ran.append(time.monotonic())
+        ctx.close(timeout=5)
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    theirs = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC) if wakeup_fd != "none" else None
+    if theirs is not None:
+        signal.set_wakeup_fd(theirs[1])
+    timer = _signal_from_another_thread(signal.SIGUSR1, 0.3)
+    try:
+        t0 = time.monotonic()
+        timer.start()
+        result = ctx.wait(20)
+        elapsed = time.monotonic() - t0
+    finally:
+        timer.cancel()
+        timer.join()
+        after = signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGUSR1, previous)
+        ctx.close()
+        if theirs is not None:
+            os.close(theirs[0])
+            os.close(theirs[1])
+    assert ran and ran[0] - t0 < 3, f"the handler ran {ran[0] - t0 if ran else None} s in"
+    assert elapsed < 5
+    assert result is not None and {r: f.exitcode for r, f in result.failures.items()} == {0: -15, 1: -15}
+    # The process's wake-up fd is as it was: none, or the event loop's.
+    assert after == (-1 if theirs is None else theirs[1])
 
 
 def test_wait_timeout_returns_none_and_poll(tmp_path):

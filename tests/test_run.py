@@ -413,6 +413,31 @@ def test_an_interrupt_stops_the_command_and_goes_on(tmp_path):
     assert wait_gone([pid], 2) == []
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"capture_output": True}, {"timeout": 20}],
+                         ids=["no-pipes-no-timeout", "capture", "timeout"])
+def test_an_interrupt_taken_by_another_thread_stops_the_command_at_once(tmp_path, kwargs):
+    # CPython runs a signal's Python handler in the main thread, but the
+    # kernel may give the signal to any thread: the handler must not wait
+    # for the command's end (30 s) or the timeout (20 s).
+    pidfile = tmp_path / "pid"
+    previous = signal.signal(signal.SIGUSR1, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
+    timer = threading.Timer(0.3, lambda: signal.pthread_kill(threading.get_ident(), signal.SIGUSR1))
+    try:
+        t0 = time.monotonic()
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            torchmp.run(["sh", "-c", f"echo $$ > {pidfile}; exec sleep 30"], **kwargs)
+        elapsed = time.monotonic() - t0
+    finally:
+        timer.cancel()
+        timer.join()
+        signal.signal(signal.SIGUSR1, previous)
+    (pid,) = read_pids(pidfile, 1)
+    assert wait_gone([pid], 2) == []
+    assert elapsed < 5
+    assert signal.set_wakeup_fd(-1) == -1  # nothing of the wait's left behind
+
+
 def test_a_command_that_cannot_start_leaves_nothing(tmp_path):
     fds = set(os.listdir("/proc/self/fd"))
     for _ in range(20):

@@ -1,0 +1,127 @@
+# Signal wake-ups for the blocking waits of the main thread (Group.wait,
+# Command.wait).  Included by _core.pyx.
+#
+# A Python signal handler runs in the main thread, but CPython's C handler
+# runs in whichever thread the kernel gave the signal to, and only sets a
+# flag there.  A main thread asleep in ppoll() is woken (EINTR) only if it
+# took the signal itself while asleep: a signal taken by another thread (a
+# timer's, a library's), or by the main thread a moment before it went to
+# sleep, would leave the handler waiting for the wait's timeout -- for ever
+# without one.  CPython also writes the signal's number to its wake-up fd
+# (signal.set_wakeup_fd), from any thread: while the main thread sleeps in
+# one of these waits, that fd is a pipe of ours, and the wait watches it.
+#
+# Only when no wake-up fd is set: one set by somebody else (an event loop of
+# the main thread) is left as it was, and the wait sleeps in slices of
+# SIGNAL_SLICE_SECONDS instead.
+
+import signal as _signal_module
+
+cdef object _set_wakeup_fd = _signal_module.set_wakeup_fd
+
+# The pipe's ends, made at import (or by a forked child's first wait: it
+# closes its parent's at once); -1 if they could not be made.
+cdef int _wake_r = -1
+cdef int _wake_w = -1
+# Waits of the main thread sleeping with the pipe installed (a handler run
+# by one may wait again: close() in a handler).
+cdef int _wake_depth = 0
+
+#: How long a wait of the main thread sleeps at a time when another wake-up
+#: fd is set: the longest a handler can wait for a signal another thread took.
+SIGNAL_SLICE_SECONDS = 0.05
+
+# What signal_wake_begin returns when the wait must sleep in slices.
+cdef enum:
+    SIGNAL_WAKE_SLICES = -3
+
+
+cdef bint signal_wake_open() except -1:
+    global _wake_r, _wake_w
+    try:
+        _wake_r, _wake_w = _os.pipe2(_os.O_NONBLOCK | _os.O_CLOEXEC)
+    except OSError:
+        return False
+    return True
+
+
+cdef int signal_wake_begin() except -2:
+    """Before a blocking wait: the fd to watch for signals (the pipe's read
+    end, installed as CPython's wake-up fd: end the wait with
+    signal_wake_end), -1 outside the main thread (no handler runs there), or
+    SIGNAL_WAKE_SLICES."""
+    global _wake_depth
+    if _wake_r < 0 and not signal_wake_open():
+        return SIGNAL_WAKE_SLICES  # out of fds: the wait still works, in slices
+    try:
+        previous = _set_wakeup_fd(_wake_w, warn_on_full_buffer=False)
+    except ValueError:  # not the main thread
+        return -1
+    if previous == -1 or previous == _wake_w:
+        _wake_depth += 1
+        return _wake_r
+    _set_wakeup_fd(previous)  # somebody else's: put back
+    return SIGNAL_WAKE_SLICES
+
+
+cdef int signal_wake_end(int fd) except -1:
+    """After a blocking wait that signal_wake_begin gave fd: the wake-up fd
+    as it was before the outermost wait, and the pipe emptied."""
+    global _wake_depth
+    if fd < 0:
+        return 0
+    _wake_depth -= 1
+    if _wake_depth <= 0:
+        _wake_depth = 0
+        current = _set_wakeup_fd(-1)
+        if current != _wake_w and current != -1:
+            _set_wakeup_fd(current)  # set by a handler meanwhile: theirs now
+    signal_wake_drain(fd)
+    return 0
+
+
+cdef int signal_wake_drain(int fd) except -1:
+    """Empty the pipe (after a wake-up by it: a signal's number per byte;
+    the flags CPython set are what PyErr_CheckSignals acts on)."""
+    if fd < 0:
+        return 0
+    try:
+        while _os.read(fd, 512):
+            pass
+    except BlockingIOError:
+        pass
+    return 0
+
+
+cdef int64_t signal_wake_slice_ns(int fd, int64_t wait_ns) noexcept:
+    """The sleep of one call: wait_ns (negative: forever), cut to a slice
+    when the wait cannot watch for signals itself."""
+    cdef int64_t slice_ns = <int64_t>(SIGNAL_SLICE_SECONDS * 1e9)
+    if fd == SIGNAL_WAKE_SLICES and (wait_ns < 0 or wait_ns > slice_ns):
+        return slice_ns
+    return wait_ns
+
+
+def _signal_wake_forget_after_fork():
+    # A forked child gets its own pipe when it first waits: with its
+    # parent's, each would wake the other.  Forked while the main thread
+    # waited (by another thread), it also inherited the pipe as CPython's
+    # wake-up fd, which must not outlive the pipe.
+    global _wake_r, _wake_w, _wake_depth
+    if _wake_r >= 0:
+        try:
+            current = _set_wakeup_fd(-1)
+            if current != _wake_w and current != -1:
+                _set_wakeup_fd(current)
+        except ValueError:
+            pass
+        _os.close(_wake_r)
+        _os.close(_wake_w)
+    _wake_r = _wake_w = -1
+    _wake_depth = 0
+
+
+# At import: a pipe made by a program's first wait would read as a leak of
+# that wait.
+signal_wake_open()
+_os.register_at_fork(after_in_child=_signal_wake_forget_after_fork)
