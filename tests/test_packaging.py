@@ -122,7 +122,7 @@ def test_stub_and_core_have_the_same_public_names() -> None:
 
 
 def test_stub_constants_have_the_runtime_types() -> None:
-    kinds = {"int": int, "bool": bool, "str": str}
+    kinds = {"int": int, "bool": bool, "str": str, "float": float}
     for name, node in _stub_names(_stub_tree().body).items():
         if not (_public(name) and isinstance(node, ast.AnnAssign)):
             continue

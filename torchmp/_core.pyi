@@ -41,6 +41,9 @@ PROC_RUNNING: Final[ProcState]
 PROC_EXITED: Final[ProcState]
 
 EXIT_TRAILER_MAGIC: Final[str]
+# How long a wait of the main thread sleeps at a time while an event loop's
+# wake-up fd is set (csrc/signal_wake.pxi).
+SIGNAL_SLICE_SECONDS: Final[float]
 
 class ProcInfo(NamedTuple):
     """One rank as Group.snapshot() saw it."""
