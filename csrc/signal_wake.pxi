@@ -36,12 +36,38 @@ cdef enum:
     SIGNAL_WAKE_SLICES = -3
 
 
+cdef int fd_above_std(int fd) noexcept:
+    """fd moved to 3 or above (the same open pipe end): a standard fd the
+    program started with closed must stay closed, not become our pipe."""
+    cdef int moved
+    if fd > 2:
+        return fd
+    moved = fcntl(fd, F_DUPFD_CLOEXEC, 3)
+    c_close(fd)
+    return moved
+
+
 cdef bint signal_wake_open() except -1:
+    """Make the pipe: False if it cannot be made (out of fds)."""
     global _wake_r, _wake_w
+    cdef int r, w
     try:
-        _wake_r, _wake_w = _os.pipe2(_os.O_NONBLOCK | _os.O_CLOEXEC)
+        r, w = _os.pipe()  # (CLOEXEC)
     except OSError:
         return False
+    r = fd_above_std(r)
+    w = fd_above_std(w)
+    if r < 0 or w < 0:
+        if r >= 0:
+            c_close(r)
+        if w >= 0:
+            c_close(w)
+        return False
+    # Non-blocking: CPython's handler must never block on a full pipe (it
+    # requires this of a wake-up fd), nor our drain on an empty one.
+    _os.set_blocking(r, False)
+    _os.set_blocking(w, False)
+    _wake_r, _wake_w = r, w
     return True
 
 
@@ -121,7 +147,7 @@ def _signal_wake_forget_after_fork():
     _wake_depth = 0
 
 
-# At import: a pipe made by a program's first wait would read as a leak of
-# that wait.
+# At import, so that a program's fds do not change at its first wait (what
+# counts of them, torchmp's fd budget among them, would see as a leak).
 signal_wake_open()
 _os.register_at_fork(after_in_child=_signal_wake_forget_after_fork)

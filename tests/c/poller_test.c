@@ -576,14 +576,14 @@ static void case_nested(void)
     make_pipe(fds);
     CHECK(torchmp_poller_add(p, fds[0], &fds[0]) == 0);
     CHECK(torchmp_poller_add(outer, pfd, &tag) == 0);
-    CHECK(torchmp_wait_readable(pfd, -1, 0) == 0);
+    CHECK(torchmp_wait_readable(pfd, -1, -1, 0) == 0);
     CHECK(torchmp_poller_wait(outer, ev, 4, 0) == 0);
     put_byte(fds[1]);
-    CHECK(torchmp_wait_readable(pfd, -1, 1000000000LL) == 1);
+    CHECK(torchmp_wait_readable(pfd, -1, -1, 1000000000LL) == 1);
     CHECK(torchmp_poller_wait(outer, ev, 4, 1000) == 1 && ev[0].ptr == &tag);
     CHECK(torchmp_poller_wait(p, ev, 4, 0) == 1 && ev[0].ptr == &fds[0]);
     drain(fds[0]);
-    CHECK(torchmp_wait_readable(pfd, -1, 0) == 0);
+    CHECK(torchmp_wait_readable(pfd, -1, -1, 0) == 0);
     CHECK(torchmp_poller_del(outer, pfd) == 0);
     CHECK(torchmp_poller_del(p, fds[0]) == 0);
     close_pipe(fds);
@@ -593,27 +593,33 @@ static void case_nested(void)
 
 static void case_wait_readable(void)
 {
-    int a[2], b[2];
+    int a[2], b[2], c[2];
     int64_t t0;
 
     make_pipe(a);
     make_pipe(b);
-    CHECK(torchmp_wait_readable(a[0], b[0], 0) == 0);
+    make_pipe(c);
+    CHECK(torchmp_wait_readable(a[0], b[0], c[0], 0) == 0);
     t0 = now_ns();
-    CHECK(torchmp_wait_readable(a[0], b[0], 20000000LL) == 0);
+    CHECK(torchmp_wait_readable(a[0], b[0], c[0], 20000000LL) == 0);
     CHECK(now_ns() - t0 >= 19000000LL);
     put_byte(b[1]);
-    CHECK(torchmp_wait_readable(a[0], b[0], -1) == 2);
-    CHECK(torchmp_wait_readable(a[0], -1, 0) == 0); /* a negative other_fd is ignored */
+    CHECK(torchmp_wait_readable(a[0], b[0], c[0], -1) == 2);
+    CHECK(torchmp_wait_readable(a[0], -1, -1, 0) == 0); /* a negative other_fd or signal_fd is ignored */
     put_byte(a[1]);
-    CHECK(torchmp_wait_readable(a[0], b[0], 0) == 3);
-    CHECK(torchmp_wait_readable(a[0], -1, 0) == 1);
+    CHECK(torchmp_wait_readable(a[0], b[0], c[0], 0) == 3);
+    CHECK(torchmp_wait_readable(a[0], -1, -1, 0) == 1);
+    put_byte(c[1]);
+    CHECK(torchmp_wait_readable(a[0], b[0], c[0], 0) == 7);
+    CHECK(torchmp_wait_readable(-1, -1, c[0], -1) == 4);
     drain(a[0]);
     drain(b[0]);
+    drain(c[0]);
     close_pipe(b);
+    close_pipe(c);
     REQUIRE(close(a[1]) == 0);
     a[1] = -1;
-    CHECK(torchmp_wait_readable(a[0], -1, 1000000000LL) == 1); /* EOF counts */
+    CHECK(torchmp_wait_readable(a[0], -1, -1, 1000000000LL) == 1); /* EOF counts */
     close_pipe(a);
 }
 
