@@ -223,6 +223,11 @@ cdef class Command:
         cdef int signal_fd
         cdef int64_t left_ns, wait_ns
         self._ok()
+        # Already there (the drain wait of a command without pipes): no
+        # system call, not even the signal watch's.
+        rc = torchmp_command_wait(self.c, 0, until, -1)
+        if rc == 1 or rc == 0 and timeout == 0:
+            return rc == 1
         deadline = None if timeout < 0 else time_ns() + <int64_t>(timeout * 1e9)
         # (csrc/signal_wake.pxi, as in Group.wait)
         signal_fd = signal_wake_begin()

@@ -80,6 +80,7 @@ cdef int signal_wake_begin() except -2:
     if _wake_r < 0 and not signal_wake_open():
         return SIGNAL_WAKE_SLICES  # out of fds: the wait still works, in slices
     try:
+        # (Two system calls: CPython checks the fd each time.)
         previous = _set_wakeup_fd(_wake_w, warn_on_full_buffer=False)
     except ValueError:  # not the main thread
         return -1
@@ -92,7 +93,9 @@ cdef int signal_wake_begin() except -2:
 
 cdef int signal_wake_end(int fd) except -1:
     """After a blocking wait that signal_wake_begin gave fd: the wake-up fd
-    as it was before the outermost wait, and the pipe emptied."""
+    as it was before the outermost wait.  The pipe is not emptied here (a
+    read each wait): a byte left in it wakes the next wait once, which then
+    empties it."""
     global _wake_depth
     if fd < 0:
         return 0
@@ -102,7 +105,6 @@ cdef int signal_wake_end(int fd) except -1:
         current = _set_wakeup_fd(-1)
         if current != _wake_w and current != -1:
             _set_wakeup_fd(current)  # set by a handler meanwhile: theirs now
-    signal_wake_drain(fd)
     return 0
 
 
