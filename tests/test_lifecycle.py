@@ -217,12 +217,14 @@ def test_wait_is_event_driven_not_period_driven(tmp_path):
 
 @pytest.mark.parametrize("kill_on_bad_exit", [True, False])
 def test_wait_wakes_its_caller_for_the_deciding_exit_only(tmp_path, kill_on_bad_exit):
-    # Four ranks exit 0.15 s apart; the second to exit fails.  wait() looks
+    # Four ranks exit 0.4 s apart; the second to exit fails.  wait() looks
     # at the ranks once before it sleeps and once when the result is decided:
     # the failure under fail-fast, else the last exit -- never for the exits
     # that decide nothing (each such look is Python on the exit-lag path).
-    ctx = launch("sh", {0: ("-c", "sleep 0.45"), 1: ("-c", "sleep 0.3; exit 3"), 2: ("-c", "sleep 0.15"),
-                        3: ("-c", "sleep 0.6")}, log_dir=tmp_path, kill_on_bad_exit=kill_on_bad_exit)
+    # (0.4 s: on a loaded machine the ranks' starts spread over 0.2 s, which
+    # reordered exits 0.15 s apart.)
+    ctx = launch("sh", {0: ("-c", "sleep 1.2"), 1: ("-c", "sleep 0.8; exit 3"), 2: ("-c", "sleep 0.4"),
+                        3: ("-c", "sleep 1.6")}, log_dir=tmp_path, kill_on_bad_exit=kill_on_bad_exit)
     looks = []
     poll = ctx._poll
 
@@ -240,9 +242,9 @@ def test_wait_wakes_its_caller_for_the_deciding_exit_only(tmp_path, kill_on_bad_
     assert result is not None and list(result.failures) == ([1, 0, 3] if kill_on_bad_exit else [1])
     assert len(looks) == 2, [round(t - t0, 3) for t in looks]
     if kill_on_bad_exit:  # (the ranks' clocks started before t0, during the launch)
-        assert 0.2 <= elapsed < 0.55 and result.failures[0].terminated_by_launcher
+        assert 0.7 <= elapsed < 1.15 and result.failures[0].terminated_by_launcher
     else:
-        assert elapsed >= 0.6 and sorted(result.resources) == [0, 1, 2, 3]
+        assert elapsed >= 1.6 and sorted(result.resources) == [0, 1, 2, 3]
 
 
 def test_context_manager_closes(tmp_path):
