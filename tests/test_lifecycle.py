@@ -242,7 +242,7 @@ def test_wait_wakes_its_caller_for_the_deciding_exit_only(tmp_path, kill_on_bad_
     assert result is not None and list(result.failures) == ([1, 0, 3] if kill_on_bad_exit else [1])
     assert len(looks) == 2, [round(t - t0, 3) for t in looks]
     if kill_on_bad_exit:  # (the ranks' clocks started before t0, during the launch)
-        assert 0.7 <= elapsed < 1.15 and result.failures[0].terminated_by_launcher
+        assert 0.5 <= elapsed < 1.15 and result.failures[0].terminated_by_launcher
     else:
         assert elapsed >= 1.6 and sorted(result.resources) == [0, 1, 2, 3]
 
