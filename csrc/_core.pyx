@@ -15,7 +15,7 @@ from libc.string cimport memchr, memcpy, memset, strerror, strlen
 from posix.stat cimport stat as c_stat, struct_stat as stat_t, S_ISDIR
 from posix.resource cimport getrlimit, rlimit, RLIMIT_NOFILE, RLIM_INFINITY
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
-from posix.unistd cimport getpid, fork, close as c_close, _exit, write as c_write, access, X_OK
+from posix.unistd cimport getpid, fork, close as c_close, _exit, read as c_read, write as c_write, access, X_OK
 
 from ctorchmp cimport *
 

@@ -13,7 +13,9 @@
 #
 # Only when no wake-up fd is set: one set by somebody else (an event loop of
 # the main thread) is left as it was, and the wait sleeps in slices of
-# SIGNAL_SLICE_SECONDS instead.
+# SIGNAL_SLICE_SECONDS instead.  Finding out which takes a swap (CPython has
+# no getter); what a signal wrote to our pipe during the swap is passed on
+# to the owner (signal_wake_give_back).
 
 import signal as _signal_module
 
@@ -87,15 +89,42 @@ cdef int signal_wake_begin() except -2:
     if previous == -1 or previous == _wake_w:
         _wake_depth += 1
         return _wake_r
-    _set_wakeup_fd(previous)  # somebody else's: put back
+    signal_wake_give_back(previous)
     return SIGNAL_WAKE_SLICES
+
+
+cdef int signal_wake_give_back(int fd) except -1:
+    """Make fd, somebody else's, CPython's wake-up fd again after a swap
+    that found it there, with what CPython wrote to our pipe meanwhile: an
+    event loop learns of a signal from that byte alone (asyncio's
+    add_signal_handler, the CLI's report thread), so a signal that came
+    between the two swaps would otherwise be lost to it.  The pipe is empty
+    whenever it is not installed (signal_wake_end), so all it holds came in
+    that window.  (Put back with CPython's default warn_on_full_buffer,
+    asyncio's: CPython has no getter for what the owner chose.)"""
+    cdef bytes window = b""
+    _set_wakeup_fd(fd)
+    try:
+        while True:
+            chunk = _os.read(_wake_r, 512)
+            if not chunk:
+                break
+            window += chunk
+    except BlockingIOError:
+        pass
+    if window:
+        try:
+            _os.write(fd, window)
+        except OSError:
+            pass  # full, or not writable: CPython would have dropped it too
+    return 0
 
 
 cdef int signal_wake_end(int fd) except -1:
     """After a blocking wait that signal_wake_begin gave fd: the wake-up fd
-    as it was before the outermost wait.  The pipe is not emptied here (a
-    read each wait): a byte left in it wakes the next wait once, which then
-    empties it."""
+    as it was before the outermost wait, and the pipe emptied (a signal may
+    have come after the wait's last look), so that it holds nothing while it
+    is not installed."""
     global _wake_depth
     if fd < 0:
         return 0
@@ -103,20 +132,20 @@ cdef int signal_wake_end(int fd) except -1:
     if _wake_depth <= 0:
         _wake_depth = 0
         current = _set_wakeup_fd(-1)
+        signal_wake_drain(_wake_r)
         if current != _wake_w and current != -1:
             _set_wakeup_fd(current)  # set by a handler meanwhile: theirs now
     return 0
 
 
-cdef int signal_wake_drain(int fd) except -1:
-    """Empty the pipe (after a wake-up by it: a signal's number per byte;
-    the flags CPython set are what PyErr_CheckSignals acts on)."""
+cdef int signal_wake_drain(int fd) noexcept:
+    """Empty the pipe (non-blocking: one read when it is empty).  What it
+    held, a signal's number per byte, is not needed: the flags CPython set
+    are what PyErr_CheckSignals acts on."""
+    cdef char buf[512]
     if fd < 0:
         return 0
-    try:
-        while _os.read(fd, 512):
-            pass
-    except BlockingIOError:
+    while c_read(fd, buf, sizeof(buf)) > 0:
         pass
     return 0
 

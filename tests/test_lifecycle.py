@@ -1,10 +1,12 @@
 """Exits, fail-fast, close escalation, signals, waiting, and the API surface."""
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -492,3 +494,51 @@ def test_low_nofile_is_raised_or_fails_cleanly(tmp_path):
     # The hard limit does not: a clear error before anything starts.
     res = run_launcher(script.replace("{hard}", "256"))
     assert res.returncode == 1 and b"RLIMIT_NOFILE is 256" in res.stderr and b"OSError" in res.stderr
+
+
+def test_a_wait_passes_on_every_signal_an_event_loop_listens_for(tmp_path):
+    # An asyncio loop learns of a signal from the byte CPython writes to its
+    # wake-up fd, nothing else.  wait() finds out whose that fd is by
+    # swapping its own in for a moment: a signal in that moment must still
+    # reach the loop, once.  Real-time signals queue, a byte each.
+    sig = signal.SIGRTMIN + 3
+    ctx = launch("sleep", {0: ("30",)}, log_dir=tmp_path)
+    loop = asyncio.new_event_loop()
+    heard: list[int] = []
+    sent = 0
+
+    async def main() -> None:
+        nonlocal sent
+        # Sent from another process, a byte each, at about the pace the
+        # loop reads them (a burst would fill its socket).
+        sender = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""\
+            import os, time
+            for _ in range(2000):
+                os.kill({os.getpid()}, {int(sig)})
+                time.sleep(0.0003)
+            """)])
+        try:
+            while sender.poll() is None:
+                for _ in range(20):
+                    assert ctx.wait(2e-4) is None  # (0 only polls: no swap)
+                await asyncio.sleep(0)  # the loop reads its wake-up fd
+        finally:
+            sender.kill()
+            sender.wait()
+        sent = 2000 if sender.returncode == 0 else -1
+        deadline = time.monotonic() + 10
+        while len(heard) < sent and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # and nothing more
+
+    try:
+        loop.add_signal_handler(sig, lambda: heard.append(sig))
+        loop.run_until_complete(main())
+    finally:
+        loop.close()  # (its handler gone: SIG_DFL would end pytest on a straggler)
+        signal.signal(sig, signal.SIG_IGN)
+        ctx.close()
+    assert sent == 2000
+    assert len(heard) == sent
+    assert signal.set_wakeup_fd(-1) == -1
+
