@@ -79,6 +79,21 @@ def run_job(launch, argv, env=None, timeout=40):
     return result
 
 
+def wait_for_workers(job: Launcher, pids_dir: Path, pattern: str = "[0-9]", count: int = 2) -> None:
+    """Until the agent's workers have written their pid files.  The agents
+    import torch before they start anything: seconds each, tens of seconds on
+    a loaded CI machine, so the bound (120 s) is only against a hang; an
+    agent that exited instead is reported with its output."""
+    deadline = time.monotonic() + 120
+    while len(list(pids_dir.glob(pattern))) < count:
+        if job.proc.poll() is not None:
+            code, out, err = job.communicate(10)
+            pytest.fail(f"the agent exited ({code}) before its workers started:\n{out}\n{err}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {count} workers after 120 s: {sorted(p.name for p in pids_dir.iterdir())}")
+        time.sleep(0.02)
+
+
 def worker_lines(text: str, prefix: str = "[default") -> list[str]:
     return sorted(line for line in text.splitlines() if line.startswith(prefix))
 
@@ -358,10 +373,7 @@ def test_sigterm_to_agent_stops_workers_like_torchrun(launch, tmp_path):
         job = launch([*prefix, "--standalone", "--nproc-per-node", "2", "--monitor-interval",
                       "0.1", "--log-dir", str(tmp_path / f"logs-{which}"), str(script)],
                      env={"PIDS_DIR": str(pids_dir)})
-        deadline = time.monotonic() + 30
-        while len(list(pids_dir.iterdir())) < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert len(list(pids_dir.iterdir())) == 2
+        wait_for_workers(job, pids_dir, "*")
         time.sleep(0.2)  # let the pid files be complete
         os.kill(job.proc.pid, signal.SIGTERM)
         code, out, err = job.communicate(timeout=40)
@@ -388,9 +400,7 @@ def test_sigkilled_agent_leaves_no_workers(launch, tmp_path):
         """)
     job = launch([*TORCHMP, "--standalone", "--nproc-per-node", "2", "--log-dir",
                   str(tmp_path / "logs"), str(script)], env={"PIDS_DIR": str(pids_dir)})
-    deadline = time.monotonic() + 30
-    while len(list(pids_dir.glob("[0-9]"))) < 2 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_for_workers(job, pids_dir)
     pids = [int((pids_dir / str(r)).read_text()) for r in range(2)]
     os.kill(job.proc.pid, signal.SIGKILL)
     job.proc.wait(timeout=10)
