@@ -132,9 +132,9 @@ cdef int signal_wake_end(int fd) except -1:
     if _wake_depth <= 0:
         _wake_depth = 0
         current = _set_wakeup_fd(-1)
-        signal_wake_drain(_wake_r)
         if current != _wake_w and current != -1:
             _set_wakeup_fd(current)  # set by a handler meanwhile: theirs now
+        signal_wake_drain(_wake_r)
     return 0
 
 
