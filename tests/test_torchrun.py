@@ -72,7 +72,13 @@ def launch():
         yield start
 
 
-def run_job(launch, argv, env=None, timeout=40):
+# The time limits below only guard against a hang.  Every agent and most
+# workers here import torch first: seconds each, tens of seconds at the end
+# of a CI round that runs beside two ASan rounds.
+HANG_SECONDS = 150
+
+
+def run_job(launch, argv, env=None, timeout=HANG_SECONDS):
     job = launch(argv, env)
     result = job.communicate(timeout)
     assert wait_no_tagged(job.tag) == [], "processes left behind"
@@ -80,17 +86,16 @@ def run_job(launch, argv, env=None, timeout=40):
 
 
 def wait_for_workers(job: Launcher, pids_dir: Path, pattern: str = "[0-9]", count: int = 2) -> None:
-    """Until the agent's workers have written their pid files.  The agents
-    import torch before they start anything: seconds each, tens of seconds on
-    a loaded CI machine, so the bound (120 s) is only against a hang; an
-    agent that exited instead is reported with its output."""
-    deadline = time.monotonic() + 120
+    """Until the agent's workers have written their pid files (the agents
+    import torch before they start anything: HANG_SECONDS); an agent that
+    exited instead is reported with its output."""
+    deadline = time.monotonic() + HANG_SECONDS
     while len(list(pids_dir.glob(pattern))) < count:
         if job.proc.poll() is not None:
             code, out, err = job.communicate(10)
             pytest.fail(f"the agent exited ({code}) before its workers started:\n{out}\n{err}")
         if time.monotonic() > deadline:
-            pytest.fail(f"no {count} workers after 120 s: {sorted(p.name for p in pids_dir.iterdir())}")
+            pytest.fail(f"no {count} workers after {HANG_SECONDS} s: {sorted(p.name for p in pids_dir.iterdir())}")
         time.sleep(0.02)
 
 
@@ -135,7 +140,7 @@ def test_without_torch_exits_2(tmp_path):
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{TORCHMP_PATH}")
     for argv in ([*TORCHMP, "--standalone", "x.py"],
                  [sys.executable, "-m", "torchmp.torchrun", "--standalone", "x.py"]):
-        p = subprocess.run(argv, capture_output=True, text=True, env=env, cwd="/", timeout=30)
+        p = subprocess.run(argv, capture_output=True, text=True, env=env, cwd="/", timeout=HANG_SECONDS)
         assert p.returncode == 2, p.stderr
         assert "error: PyTorch is not installed" in p.stderr
         assert "'torchmp run' works without it" in p.stderr
@@ -160,10 +165,10 @@ def test_two_nodes_gloo_all_reduce(launch, tmp_path):
     port = free_port()
     argv = [*TORCHMP, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", uuid.uuid4().hex,
-            "--rdzv-conf", "join_timeout=40", "--tee", "1", "--monitor-interval", "0.1",
+            "--rdzv-conf", f"join_timeout={HANG_SECONDS}", "--tee", "1", "--monitor-interval", "0.1",
             str(script)]
     agents = [launch(argv), launch(argv)]
-    results = [a.communicate(timeout=50) for a in agents]
+    results = [a.communicate(timeout=HANG_SECONDS) for a in agents]
     for a in agents:
         assert wait_no_tagged(a.tag) == []
     seen = {}
@@ -376,7 +381,7 @@ def test_sigterm_to_agent_stops_workers_like_torchrun(launch, tmp_path):
         wait_for_workers(job, pids_dir, "*")
         time.sleep(0.2)  # let the pid files be complete
         os.kill(job.proc.pid, signal.SIGTERM)
-        code, out, err = job.communicate(timeout=40)
+        code, out, err = job.communicate(timeout=HANG_SECONDS)
         assert wait_no_tagged(job.tag) == []
         last = re.sub(r"Process \d+", "Process P", err.rstrip().splitlines()[-1])
         outcomes[which] = (code, last, "Received 15 death signal, shutting down workers" in err)
