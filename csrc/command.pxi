@@ -244,7 +244,7 @@ cdef class Command:
                 if rc < 0 and err != EINTR:
                     raise OSError(err, f"waiting for the command: {strerror(err).decode()}")
                 if rc < 0:
-                    signal_wake_drain(signal_fd)
+                    signal_wake_empty(signal_fd, None)
                 PyErr_CheckSignals()
         finally:
             signal_wake_end(signal_fd)

@@ -518,7 +518,7 @@ cdef class Group:
                                                                                          fail_fast):
                         return True
                 if rc < 0:
-                    signal_wake_drain(signal_fd)
+                    signal_wake_empty(signal_fd, None)
                 # A signal may have arrived while the wait did not sleep.
                 PyErr_CheckSignals()
                 if rc == 0 and (wait_ns == 0 or deadline is not None and time.monotonic() >= deadline):

@@ -102,16 +102,9 @@ cdef int signal_wake_give_back(int fd) except -1:
     whenever it is not installed (signal_wake_end), so all it holds came in
     that window.  (Put back with CPython's default warn_on_full_buffer,
     asyncio's: CPython has no getter for what the owner chose.)"""
-    cdef bytes window = b""
+    cdef bytearray window = bytearray()
     _set_wakeup_fd(fd)
-    try:
-        while True:
-            chunk = _os.read(_wake_r, 512)
-            if not chunk:
-                break
-            window += chunk
-    except BlockingIOError:
-        pass
+    signal_wake_empty(_wake_r, window)
     if window:
         try:
             _os.write(fd, window)
@@ -134,20 +127,25 @@ cdef int signal_wake_end(int fd) except -1:
         current = _set_wakeup_fd(-1)
         if current != _wake_w and current != -1:
             _set_wakeup_fd(current)  # set by a handler meanwhile: theirs now
-        signal_wake_drain(_wake_r)
+        signal_wake_empty(_wake_r, None)
     return 0
 
 
-cdef int signal_wake_drain(int fd) noexcept:
-    """Empty the pipe (non-blocking: one read when it is empty).  What it
-    held, a signal's number per byte, is not needed: the flags CPython set
-    are what PyErr_CheckSignals acts on."""
+cdef int signal_wake_empty(int fd, bytearray kept) except -1:
+    """Read the pipe (non-blocking) until it is empty: one read when it
+    already is.  What it held, a signal's number per byte, goes to kept
+    unless that is None: a wait does not need it (the flags CPython set are
+    what PyErr_CheckSignals acts on), an owner given its fd back does."""
     cdef char buf[512]
+    cdef ssize_t n
     if fd < 0:
         return 0
-    while c_read(fd, buf, sizeof(buf)) > 0:
-        pass
-    return 0
+    while True:
+        n = c_read(fd, buf, sizeof(buf))
+        if n <= 0:
+            return 0
+        if kept is not None:
+            kept.extend(buf[:n])
 
 
 cdef int64_t signal_wake_slice_ns(int fd, int64_t wait_ns) noexcept:
