@@ -14,7 +14,6 @@ import ctypes
 import json
 import os
 import select
-import shutil
 import signal
 import statistics
 import subprocess
@@ -505,7 +504,27 @@ def trial_scope(ctx: Ctx, prefix: str):
         left = cleanup(scope.tag, pids)
         if left:
             scope.leftovers = left
-        shutil.rmtree(scope.dir, ignore_errors=True)
+        retire(scope.dir)
+
+
+def retire(path: str) -> None:
+    """Free a finished trial's disk space but keep its inodes until the run
+    ends (the run's temporary root is removed then, after the last measurement).
+
+    On ext4 without a journal (this project's CI VM) every new inode -- a
+    ``mkdir``, a created log file -- first steps over each inode of its block
+    group deleted in the last ~35 s (the kernel's ``recently_deleted``).
+    Deleting a trial's 2 + N directories would make the next trial's ``mkdir``
+    calls pay for the bench's own cleanup: measured on that VM, 218 us a
+    ``mkdir`` by the end of a launch run instead of 19 us, and torchmp's
+    launch of 1024 ranks 1.24x the stdlib's instead of 0.96x.  Truncating
+    frees the data blocks without freeing an inode."""
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            file = os.path.join(root, name)
+            with contextlib.suppress(OSError):
+                if os.lstat(file).st_size and not os.path.islink(file):
+                    os.truncate(file, 0)
 
 
 @dataclass

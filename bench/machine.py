@@ -7,6 +7,7 @@ import os
 import platform
 import statistics
 import subprocess
+import tempfile
 import time
 from typing import Any
 
@@ -75,21 +76,18 @@ def log_dir_info(root: str, count: int = 100) -> dict[str, Any]:
     on a slow file system the launch rows measure it as much as the launchers
     (bench/README.md, "The log directories")."""
     mount = _mount_of(root)
-    probe = os.path.join(root, "mkdir-probe")
     times = []
+    # Left in place (the run's temporary root goes at the end): deleting them
+    # would slow the run's next mkdirs on ext4 without a journal
+    # (bench.common.retire).
     try:
-        os.mkdir(probe)
+        probe = tempfile.mkdtemp(prefix="mkdir-probe-", dir=root)
         for i in range(count):
             t0 = time.perf_counter_ns()
             os.mkdir(os.path.join(probe, str(i)))
             times.append(time.perf_counter_ns() - t0)
     except OSError:
         pass
-    finally:
-        for i in range(len(times)):
-            os.rmdir(os.path.join(probe, str(i)))
-        if os.path.isdir(probe):
-            os.rmdir(probe)
     return {
         "root": root,
         "mount": mount[0] if mount else None,

@@ -49,12 +49,11 @@ import glob
 import os
 import re
 import select
-import shutil
 import sys
 import threading
 import time
 
-from bench.common import Result, fmt_exc, interleave, record, run_child, stderr_tail, trial_scope
+from bench.common import Result, fmt_exc, interleave, record, retire, run_child, stderr_tail, trial_scope
 from bench.scenarios.streams import _RX, NAME, PAD, RANKS, make_data
 
 STALL_S = 5.0
@@ -337,6 +336,6 @@ def run_console(ctx) -> Result:
         samples = interleave(impls, ctx.reps(3, 1), trial, warmup=0,
                              on_error=lambda i, m: res.error(i, "", m), log=ctx.log)
     finally:
-        shutil.rmtree(datadir, ignore_errors=True)
+        retire(datadir)
     record(res, samples)
     return res

@@ -31,7 +31,7 @@ import filecmp
 import os
 import re
 
-from bench.common import Result, fmt_exc, interleave, record, run_child, stderr_tail, trial_scope
+from bench.common import Result, fmt_exc, interleave, record, retire, run_child, stderr_tail, trial_scope
 from bench.impls import ALL_IMPLS
 
 RANKS = 4
@@ -154,9 +154,7 @@ def _run(ctx, scen: str) -> Result:
         samples = interleave(impls, ctx.reps(*REPS[scen]), trial, warmup=0,
                              on_error=lambda i, m: res.error(i, "", m), log=ctx.log)
     finally:
-        import shutil
-
-        shutil.rmtree(datadir, ignore_errors=True)
+        retire(datadir)
     record(res, samples)
     return res
 
