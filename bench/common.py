@@ -15,6 +15,7 @@ import json
 import os
 import select
 import signal
+import stat
 import statistics
 import subprocess
 import sys
@@ -523,7 +524,8 @@ def retire(path: str) -> None:
         for name in files:
             file = os.path.join(root, name)
             with contextlib.suppress(OSError):
-                if os.lstat(file).st_size and not os.path.islink(file):
+                st = os.lstat(file)
+                if stat.S_ISREG(st.st_mode) and st.st_size:
                     os.truncate(file, 0)
 
 
