@@ -128,7 +128,7 @@ def main(argv=None) -> int:
         else:
             log(f"  {n:<10} UNAVAILABLE: {unavailable[n]}")
     tmp = tempfile.mkdtemp(prefix="torchmp-bench-")
-    log_dirs = log_dir_info(tmp)
+    log_dirs = log_dir_info(tmp, keep=True)
     log(f"bench: log directories under {tmp} ({log_dirs['fstype']}): mkdir {log_dirs['mkdir_us_median']} us")
     ctx = Ctx(impls, unavailable, a.quick, a.repeat, tmp, log)
     results = {}
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
         ctx.close()
         # Again at the end: on some file systems a mkdir gets slower as the
         # run deletes directories (bench/README.md, "The log directories").
-        log_dirs["mkdir_us_median_at_end"] = log_dir_info(tmp)["mkdir_us_median"]
+        log_dirs["mkdir_us_median_at_end"] = log_dir_info(tmp, keep=True)["mkdir_us_median"]
         if a.keep_tmp:
             log(f"temporary files kept in {tmp}")
         else:

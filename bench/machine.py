@@ -69,17 +69,16 @@ def _mount_of(path: str) -> tuple[str, str, str] | None:
     return best
 
 
-def log_dir_info(root: str, count: int = 100) -> dict[str, Any]:
+def log_dir_info(root: str, count: int = 100, keep: bool = False) -> dict[str, Any]:
     """Where the run's log directories live, and what one mkdir costs there:
     torch's layout (torch and torchmp) makes 2 + N directories per launch of
     N ranks, the stdlib and floor launchers none unless they write logs, so
     on a slow file system the launch rows measure it as much as the launchers
-    (bench/README.md, "The log directories")."""
+    (bench/README.md, "The log directories").  keep: leave the probe's
+    directories in root (for root to be removed whole later)."""
     mount = _mount_of(root)
     times = []
-    # Left in place (the run's temporary root goes at the end): deleting them
-    # would slow the run's next mkdirs on ext4 without a journal
-    # (bench.common.retire).
+    probe = None
     try:
         probe = tempfile.mkdtemp(prefix="mkdir-probe-", dir=root)
         for i in range(count):
@@ -88,6 +87,14 @@ def log_dir_info(root: str, count: int = 100) -> dict[str, Any]:
             times.append(time.perf_counter_ns() - t0)
     except OSError:
         pass
+    finally:
+        # keep: the run removes its whole root at the end; deleting the probe
+        # now would slow its next mkdirs on ext4 without a journal
+        # (bench.common.retire).
+        if probe is not None and not keep:
+            for i in range(len(times)):
+                os.rmdir(os.path.join(probe, str(i)))
+            os.rmdir(probe)
     return {
         "root": root,
         "mount": mount[0] if mount else None,

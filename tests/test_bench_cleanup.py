@@ -71,3 +71,15 @@ def test_a_trial_scope_retires_its_directory_instead_of_deleting_it(bench_common
         assert log.stat().st_size == 0
     finally:
         ctx.close()
+
+
+def test_the_runs_mkdir_probe_keeps_its_directories_for_the_run_to_remove(bench_common, tmp_path):
+    # The header's mkdir probe runs just before the first scenario: deleting
+    # its directories then would slow that scenario's launches the same way.
+    from bench.machine import log_dir_info
+
+    info = log_dir_info(str(tmp_path), count=20, keep=True)
+    assert info["mkdir_us_median"] > 0
+    [probe] = tmp_path.iterdir()
+    assert probe.name.startswith("mkdir-probe-")
+    assert sorted(int(p.name) for p in probe.iterdir()) == list(range(20))
