@@ -148,8 +148,10 @@ def main(argv=None) -> int:
         log(f"interrupted ({type(e).__name__}): reporting what was measured")
     finally:
         ctx.close()
-        # Again at the end: on some file systems a mkdir gets slower as the
-        # run deletes directories (bench/README.md, "The log directories").
+        # Again at the end: on some file systems a mkdir gets slower after
+        # deletions nearby, the run's own included; the run keeps its trials'
+        # inodes until now for that reason (bench/README.md, "The log
+        # directories").
         log_dirs["mkdir_us_median_at_end"] = log_dir_info(tmp, keep=True)["mkdir_us_median"]
         if a.keep_tmp:
             log(f"temporary files kept in {tmp}")

@@ -514,12 +514,11 @@ def retire(path: str) -> None:
 
     On ext4 without a journal (this project's CI VM) every new inode -- a
     ``mkdir``, a created log file -- first steps over each inode of its block
-    group deleted in the last ~35 s (the kernel's ``recently_deleted``).
-    Deleting a trial's 2 + N directories would make the next trial's ``mkdir``
-    calls pay for the bench's own cleanup: measured on that VM, 218 us a
-    ``mkdir`` by the end of a launch run instead of 19 us, and torchmp's
-    launch of 1024 ranks 1.24x the stdlib's instead of 0.96x.  Truncating
-    frees the data blocks without freeing an inode."""
+    group deleted in the last ~35 s (the kernel's ``recently_deleted``), so
+    deleting a trial's 2 + N directories would make the next trial's launcher
+    pay for the bench's own cleanup (figures: bench/README.md, "The log
+    directories").  Truncating frees the data blocks without freeing an
+    inode."""
     for root, _dirs, files in os.walk(path):
         for name in files:
             file = os.path.join(root, name)
