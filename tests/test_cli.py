@@ -241,10 +241,14 @@ def test_local_ranks_filter(run, tmp_path):
 
 def test_failure_fail_fast_report_and_exit_code(run, tmp_path):
     t0 = time.monotonic()
+    # The other ranks sleep far longer than any stall of a loaded CI machine
+    # (one run under ASan took 16.6 s here, against 0.3-1.5 s in 460 runs
+    # under load on its own): what is checked is that fail-fast stopped
+    # them (SIGTERM below), not how fast the machine was.
     code, out, err = run("run", "-n", "3", "--log-dir", str(tmp_path), "--",
-                         "sh", "-c", '[ "$RANK" = 1 ] && exit 7; exec sleep 30')
-    assert time.monotonic() - t0 < 10  # fail-fast, not the sleep
-    assert code == 7
+                         "sh", "-c", '[ "$RANK" = 1 ] && exit 7; exec sleep 600', timeout=120)
+    elapsed = time.monotonic() - t0
+    assert code == 7, err
     assert "\nsh FAILED\n" in err
     root = err.split("Root Cause (first observed failure):\n", 1)[1].split("\n===")[0]
     assert "  rank      : 1 (local_rank: 1)\n" in root
@@ -257,6 +261,7 @@ def test_failure_fail_fast_report_and_exit_code(run, tmp_path):
         assert (rows[r]["exit"], rows[r]["note"]) == ("SIGTERM", "terminated by torchmp")
     # the report comes before the summary, both after the workers' output
     assert err.index("sh FAILED") < err.index("torchmp: summary of")
+    assert elapsed < 60, err  # fail-fast, not the sleep
 
 
 def test_signal_death_exit_code_is_128_plus_signal(run, tmp_path):

@@ -399,18 +399,39 @@ def test_from_a_forked_child_of_a_process_that_used_it():
     assert os.waitstatus_to_exitcode(done[1]) == 0
 
 
+def signal_once_running(pidfile: Path, send) -> tuple[threading.Thread, dict]:
+    """A thread that calls send() once the command has written its pid to
+    pidfile (or after 30 s without it), and notes when.  A fixed delay lost
+    the race under ASan on a loaded CI machine: the command was stopped
+    before it wrote the pid the test then looks for."""
+    seen: dict = {}
+
+    def go():
+        try:
+            seen["pid"] = read_pids(pidfile, 1, timeout=30)[0]
+        finally:
+            seen["sent_at"] = time.monotonic()
+            send()
+
+    thread = threading.Thread(target=go)
+    thread.start()
+    return thread, seen
+
+
 def test_an_interrupt_stops_the_command_and_goes_on(tmp_path):
     pidfile = tmp_path / "pid"
     previous = signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
-    signal.setitimer(signal.ITIMER_REAL, 0.5)
     try:
-        with pytest.raises(KeyboardInterrupt):
-            torchmp.run(["sh", "-c", f"echo $$ > {pidfile}; exec sleep 30"])
+        sender, seen = signal_once_running(pidfile, lambda: os.kill(os.getpid(), signal.SIGALRM))
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                torchmp.run(["sh", "-c", f"echo $$ > {pidfile}; exec sleep 30"])
+        finally:
+            sender.join()
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-    (pid,) = read_pids(pidfile, 1)
-    assert wait_gone([pid], 2) == []
+    assert "pid" in seen, "the command never wrote its pid"
+    assert wait_gone([seen["pid"]], 2) == []
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"capture_output": True}, {"timeout": 20}],
@@ -421,20 +442,21 @@ def test_an_interrupt_taken_by_another_thread_stops_the_command_at_once(tmp_path
     # for the command's end (30 s) or the timeout (20 s).
     pidfile = tmp_path / "pid"
     previous = signal.signal(signal.SIGUSR1, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
-    timer = threading.Timer(0.3, lambda: signal.pthread_kill(threading.get_ident(), signal.SIGUSR1))
     try:
-        t0 = time.monotonic()
-        timer.start()
-        with pytest.raises(KeyboardInterrupt):
-            torchmp.run(["sh", "-c", f"echo $$ > {pidfile}; exec sleep 30"], **kwargs)
-        elapsed = time.monotonic() - t0
+        # pthread_kill from the sender's own thread: the signal is that thread's.
+        sender, seen = signal_once_running(
+            pidfile, lambda: signal.pthread_kill(threading.get_ident(), signal.SIGUSR1))
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                torchmp.run(["sh", "-c", f"echo $$ > {pidfile}; exec sleep 30"], **kwargs)
+            returned_at = time.monotonic()
+        finally:
+            sender.join()
     finally:
-        timer.cancel()
-        timer.join()
         signal.signal(signal.SIGUSR1, previous)
-    (pid,) = read_pids(pidfile, 1)
-    assert wait_gone([pid], 2) == []
-    assert elapsed < 5
+    assert "pid" in seen, "the command never wrote its pid"
+    assert wait_gone([seen["pid"]], 2) == []
+    assert returned_at - seen["sent_at"] < 5
     assert signal.set_wakeup_fd(-1) == -1  # nothing of the wait's left behind
 
 
