@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -303,18 +304,31 @@ def test_wait_async_timeout_and_then_the_result(arun, tmp_path):
     arun(main())
 
 
+def term_ignored_then_a_failure(tmp_path: Path) -> dict[int, tuple[str, ...]]:
+    """Rank 1 ignores SIGTERM; rank 0 fails 0.1 s after rank 1 said so (after
+    a fixed delay alone, a loaded machine had rank 1 killed by the SIGTERM
+    before its trap ran)."""
+    ready = tmp_path / "rank1-ignores-term"
+    return {0: ("-c", f"while [ ! -e {ready} ]; do sleep 0.01; done; sleep 0.1; exit 1"),
+            1: ("-c", f"trap '' TERM; : > {ready}; exec sleep 30")}
+
+
+def ticks_after(ticks: list[int], since_ns: int) -> int:
+    """How many of the ticks (time.time_ns()) came after since_ns."""
+    return sum(1 for t in ticks if t > since_ns)
+
+
 def test_wait_async_fail_fast_close_does_not_block_the_loop(arun, tmp_path):
     async def main():
-        ctx = launch("sh", {0: ("-c", "sleep 0.1; exit 1"), 1: ("-c", "trap '' TERM; sleep 30")}, log_dir=tmp_path)
+        ctx = launch("sh", term_ignored_then_a_failure(tmp_path), log_dir=tmp_path)
         ctx.fail_fast_timeout = 0.5
         pids = list(ctx.pids().values())
-        ticks = 0
+        ticks: list[int] = []
 
         async def ticker():
-            nonlocal ticks
             while True:
                 await asyncio.sleep(0.01)
-                ticks += 1
+                ticks.append(time.time_ns())
 
         task = asyncio.ensure_future(ticker())
         result = await ctx.wait_async()
@@ -323,9 +337,9 @@ def test_wait_async_fail_fast_close_does_not_block_the_loop(arun, tmp_path):
 
     result, ticks, pids = arun(main())
     assert sorted(result.failures) == [0, 1] and result.failures[1].exitcode == -signal.SIGKILL
-    # The 0.5 s grace passed on the loop, awaited: ~60 ticks (blocked, the
-    # loop would tick only in the 0.1 s before the failure).
-    assert ticks >= 25, ticks
+    # The 0.5 s grace passed on the loop, awaited: ~50 ticks after rank 0's
+    # exit (blocked, the loop would not tick at all after it).
+    assert ticks_after(ticks, result.failures[0].timestamp_ns) >= 25, ticks
     assert wait_gone(pids, 1) == []
 
 
@@ -407,21 +421,21 @@ def test_trio_wait_async_keeps_the_run_going(tmp_path):
     trio = pytest.importorskip("trio")
 
     async def main():
-        ctx = launch("sh", {0: ("-c", "sleep 0.1; exit 1"), 1: ("-c", "trap '' TERM; sleep 30")}, log_dir=tmp_path)
+        ctx = launch("sh", term_ignored_then_a_failure(tmp_path), log_dir=tmp_path)
         ctx.fail_fast_timeout = 0.5
-        ticks = 0
+        ticks: list[int] = []
 
         async def ticker():
-            nonlocal ticks
             while True:
                 await trio.sleep(0.01)
-                ticks += 1
+                ticks.append(time.time_ns())
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(ticker)
             result = await ctx.wait_async()
             nursery.cancel_scope.cancel()
-        assert sorted(result.failures) == [0, 1] and ticks >= 25, ticks  # as with asyncio
+        assert sorted(result.failures) == [0, 1]  # as with asyncio
+        assert ticks_after(ticks, result.failures[0].timestamp_ns) >= 25, ticks
 
     trio.run(main)
 
