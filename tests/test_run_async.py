@@ -204,20 +204,26 @@ def test_cancelling_stops_and_reaps_the_group_before_it_goes_on(arun, tmp_path, 
     pidfile = tmp_path / "pids"
     cmd = ["sh", "-c", f"echo $$ >> {pidfile}; sleep 30 & echo $! >> {pidfile}; wait"]
 
+    # Each way cancels once the command has written both pids: a fixed
+    # timeout (0.5 s) ran out before that under ASan on a loaded CI machine.
     async def main():
+        loop = asyncio.get_running_loop()
         if how == "cancel":
             task = asyncio.ensure_future(torchmp.run_async(cmd))
-            read = asyncio.get_running_loop().run_in_executor(None, read_pids, pidfile, 2)
-            await read
+            await loop.run_in_executor(None, read_pids, pidfile, 2)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
         elif how == "wait_for":
+            task = asyncio.ensure_future(torchmp.run_async(cmd))
+            await loop.run_in_executor(None, read_pids, pidfile, 2)
             with pytest.raises(asyncio.TimeoutError):
-                await asyncio.wait_for(torchmp.run_async(cmd), 0.5)
+                await asyncio.wait_for(task, 0.1)
         else:
             with pytest.raises(TimeoutError):
-                async with asyncio.timeout(0.5):  # type: ignore[attr-defined]
+                async with asyncio.timeout(None) as deadline:  # type: ignore[attr-defined]
+                    loop.run_in_executor(None, read_pids, pidfile, 2).add_done_callback(
+                        lambda _: deadline.reschedule(loop.time() + 0.1))
                     await torchmp.run_async(cmd)
         # By now: every process of the group is gone, and the leader reaped.
         return [p.pid for p in psutil.Process().children(recursive=True)]
