@@ -25,6 +25,8 @@ import pytest
 import torchmp
 from torchmp import _core
 
+from helpers import fd_target
+
 # Fixtures of the errors and parity suites, none autouse: their modules ask
 # for them (tests/errors_helpers.py, tests/parity_helpers.py).
 pytest_plugins = ["errors_helpers", "parity_helpers"]
@@ -41,13 +43,6 @@ def _open_fds() -> set[int]:
             continue
         fds.add(int(name))
     return fds
-
-
-def _fd_target(fd: int) -> str:
-    try:
-        return os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return "?"
 
 
 def _children() -> list[psutil.Process]:
@@ -126,7 +121,7 @@ def leak_guard(request: pytest.FixtureRequest):
         _malloc_trim(0)
     problems = []
     if leaked_fds:
-        problems.append("leaked fds: " + ", ".join(f"{fd}->{_fd_target(fd)}" for fd in sorted(leaked_fds)))
+        problems.append("leaked fds: " + ", ".join(f"{fd}->{fd_target(fd)}" for fd in sorted(leaked_fds)))
     if leftover:
         desc = []
         for p in leftover:

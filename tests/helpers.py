@@ -28,6 +28,14 @@ REPO = HERE.parent
 TORCHMP_PATH = str(Path(torchmp.__file__).resolve().parent.parent)
 
 
+def fd_target(fd: int | str) -> str:
+    """What this process's fd points to (a path, pipe:[...]), "?" if closed."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return "?"
+
+
 def pid_alive(pid: int) -> bool:
     """True if pid exists and is not a zombie."""
     try:

@@ -20,7 +20,7 @@ import pytest
 import torchmp
 from torchmp._launch.command import DRAIN_SECONDS, GRACE_SECONDS
 
-from helpers import Launchers, kill_groups, pid_alive, read_pids, run_launcher, wait_gone
+from helpers import Launchers, fd_target, kill_groups, pid_alive, read_pids, run_launcher, wait_gone
 
 PY = sys.executable
 # Under load (CI runs two suites side by side) a fork+exec can take a while:
@@ -472,13 +472,6 @@ def test_a_command_that_cannot_start_leaves_nothing(tmp_path):
     assert set(os.listdir("/proc/self/fd")) == fds
 
 
-def _fd_target(fd: str) -> str:
-    try:
-        return os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return "(closed)"
-
-
 def test_run_loops_do_not_grow_fds():
     for _ in range(20):
         torchmp.run(["echo", "x"], capture_output=True)
@@ -497,7 +490,7 @@ def test_run_loops_do_not_grow_fds():
         if (after - fds == set() and len(after) <= len(fds)) or time.monotonic() > deadline:
             break
         time.sleep(0.02)
-    new = {fd: _fd_target(fd) for fd in sorted(after - fds, key=int)}
+    new = {fd: fd_target(fd) for fd in sorted(after - fds, key=int)}
     assert new == {} and len(after) <= len(fds), new
 
 
