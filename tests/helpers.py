@@ -66,7 +66,7 @@ def kill_groups(pids) -> None:
                 pass
 
 
-def read_pids(path: Path, count: int, timeout: float = 5.0) -> list[int]:
+def read_pids(path: Path, count: int, timeout: float = 30.0) -> list[int]:
     """Wait for a file with `count` pids (one a line) written by workers."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -288,6 +288,37 @@ class Launcher:
         except subprocess.TimeoutExpired:
             stop_launcher(self.proc, self.tag)
             raise AssertionError(message or f"launcher did not finish in {timeout}s") from None
+
+    def wait_pid_files(self, paths: Sequence[Path], timeout: float = 60.0) -> list[int]:
+        """Wait for the workers to write their pids, one a file (written to a
+        temporary name and renamed, so a file that is there is whole).  If the
+        launcher exits first, or the time runs out, the test fails at once
+        with what there is to see: the launcher's state, the processes that
+        carry its tag, and its output (after it is stopped)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return [int(p.read_text()) for p in paths]
+            except (FileNotFoundError, ValueError):
+                pass
+            exited = self.proc.poll()
+            if exited is not None or time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)
+        missing = [str(p) for p in paths if not p.exists()]
+        state = f"exited with {exited}" if exited is not None else f"still running after {timeout}s"
+        running = []
+        for p in tagged(self.tag):
+            try:
+                running.append(f"{p.pid} {p.status()} {' '.join(p.cmdline())}")
+            except psutil.Error:
+                pass  # gone meanwhile
+        stop_launcher(self.proc, self.tag)
+        out = err = ""
+        if self.proc.stdout is not None and self.proc.stderr is not None and not self._readers:
+            out, err = self.proc.communicate()
+        raise AssertionError(f"workers did not write {missing}; the launcher {state}; tagged: {running}\n"
+                             f"stdout: {out}\nstderr: {err}")
 
     def wait_for(self, predicate: Callable[[], bool], timeout: float, what: str) -> None:
         """With follow=True: wait until predicate() (over self.out and

@@ -339,16 +339,6 @@ def test_unusable_log_dir_is_an_error(run, tmp_path):
 # Signals to torchmp run
 
 
-def _wait_files(paths: list[Path], timeout: float = 10.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            return [int(p.read_text()) for p in paths]
-        except (FileNotFoundError, ValueError):
-            time.sleep(0.01)
-    raise AssertionError(f"workers did not start: {paths}")
-
-
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_terminates_workers(torchmp_cli, tmp_path, sig):
     # Each worker has a grandchild in its process group (a background job,
@@ -357,7 +347,7 @@ def test_signal_terminates_workers(torchmp_cli, tmp_path, sig):
     c = torchmp_cli("run", "-n", "2", "--shutdown-timeout", "1", "--log-dir", str(tmp_path / "logs"), "--",
                     "sh", "-c", f'sleep 30 & echo $$ > {tmp_path}/pid.$RANK.tmp; '
                                 f'mv {tmp_path}/pid.$RANK.tmp {tmp_path}/pid.$RANK; wait')
-    pids = _wait_files([tmp_path / "pid.0", tmp_path / "pid.1"])
+    pids = c.wait_pid_files([tmp_path / "pid.0", tmp_path / "pid.1"])
     assert len(tagged(c.tag)) == 6  # torchmp run, its keeper, 2 workers, 2 grandchildren
     os.kill(c.proc.pid, sig)
     code, out, err = c.communicate()
@@ -376,7 +366,7 @@ def test_stubborn_workers_are_killed_after_shutdown_timeout(torchmp_cli, tmp_pat
                     str(tmp_path / "logs"), "--", "sh", "-c",
                     f"trap '' TERM; echo $$ > {tmp_path}/pid.$RANK.tmp; "
                     f"mv {tmp_path}/pid.$RANK.tmp {tmp_path}/pid.$RANK; while :; do sleep 0.05; done")
-    _wait_files([tmp_path / "pid.0", tmp_path / "pid.1"])
+    c.wait_pid_files([tmp_path / "pid.0", tmp_path / "pid.1"])
     t0 = time.monotonic()
     os.kill(c.proc.pid, signal.SIGTERM)
     code, out, err = c.communicate()
@@ -412,7 +402,7 @@ def test_a_signal_during_the_launch_gets_the_shutdown_timeout_too(torchmp_cli, t
                     f"trap '' TERM; echo $$ > {tmp_path}/pid.$RANK.tmp; "
                     f"mv {tmp_path}/pid.$RANK.tmp {tmp_path}/pid.$RANK; while :; do sleep 0.05; done",
                     preamble=preamble)
-    pids = _wait_files([tmp_path / "pid.0", tmp_path / "pid.1"])
+    pids = c.wait_pid_files([tmp_path / "pid.0", tmp_path / "pid.1"])
     t0 = time.monotonic()
     code, out, err = c.communicate()
     assert code == 128 + signal.SIGTERM, err
@@ -428,7 +418,7 @@ def test_second_signal_kills_at_once(torchmp_cli, tmp_path):
     c = torchmp_cli("run", "-n", "1", "--log-dir", str(tmp_path / "logs"), "--", "sh", "-c",
                     f"trap '' INT; echo $$ > {tmp_path}/pid.tmp; mv {tmp_path}/pid.tmp "
                     f"{tmp_path}/pid; while :; do sleep 0.05; done")
-    [pid] = _wait_files([tmp_path / "pid"])
+    [pid] = c.wait_pid_files([tmp_path / "pid"])
     os.kill(c.proc.pid, signal.SIGINT)
     time.sleep(0.3)
     assert c.proc.poll() is None  # waiting for the worker (up to 30 s)
@@ -451,7 +441,7 @@ def test_sigkilled_launcher_leaves_nothing(torchmp_cli, tmp_path):
     c = torchmp_cli("run", "-n", "2", "--log-dir", str(tmp_path / "logs"), "--",
                     "sh", "-c", f'echo $$ > {tmp_path}/pid.$RANK.tmp; '
                                 f'mv {tmp_path}/pid.$RANK.tmp {tmp_path}/pid.$RANK; exec sleep 30')
-    pids = _wait_files([tmp_path / "pid.0", tmp_path / "pid.1"])
+    pids = c.wait_pid_files([tmp_path / "pid.0", tmp_path / "pid.1"])
     os.kill(c.proc.pid, signal.SIGKILL)
     c.proc.wait(timeout=10)
     assert wait_no_tagged(c.tag) == [], pids
@@ -584,7 +574,7 @@ def test_ranks_that_exit_0_on_the_launchers_signal_did_not_succeed(torchmp_cli, 
     c = torchmp_cli("run", "-n", "3", "--log-dir", str(tmp_path / "logs"), "--", "sh", "-c",
                     _pid_file_cmd(tmp_path, '[ "$RANK" = 0 ] && exit 0; '
                                             "trap 'exit 0' TERM; sleep 30 & wait"))
-    pids = _wait_files([tmp_path / f"pid.{r}" for r in range(3)])
+    pids = c.wait_pid_files([tmp_path / f"pid.{r}" for r in range(3)])
     assert wait_gone([pids[0]]) == []  # exited (a zombie, or reaped already)
     time.sleep(0.3)  # for torchmp run to see the exit (its pidfd wakes at once)
     os.kill(c.proc.pid, signal.SIGTERM)
