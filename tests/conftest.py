@@ -108,7 +108,7 @@ def leak_guard(request: pytest.FixtureRequest):
     children_before = {p.pid for p in _children()}
     yield
     # Groups are released asynchronously by the I/O thread: allow it a moment.
-    deadline = time.monotonic() + 3.0
+    deadline = time.monotonic() + 10.0
     for attempt in itertools.count():
         # One full collection, only when a young one did not release it all.
         gc.collect(2 if attempt == 1 else 1)

@@ -214,7 +214,7 @@ def test_log_directory_removed_while_workers_write(tmp_path, mode, capfdbinary):
     ctx = launch(sys.executable, args, log_dir=log_root, **kw)
     try:
         writers = [ctx.pids()[0], ctx.pids()[1]]
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         stdout0 = None
         while time.monotonic() < deadline:
             probe = list(log_root.glob("*/attempt_0/0/stdout.log"))

@@ -80,7 +80,7 @@ def test_launch_right_after_an_idle_forkserver_died_starts_a_new_one(tmp_path):
 def test_launch_after_an_idle_forkserver_died_and_was_reaped(tmp_path):
     run(tmp_path, fw.ident, {0: ()}, "forkserver", log_dir=tmp_path / "warm")
     dead = _kill_idle_server()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 15
     while _forkserver.get_forkserver()._alive() and time.monotonic() < deadline:
         time.sleep(0.01)
     result = run(tmp_path, fw.ident, {0: ()}, "forkserver", log_dir=tmp_path / "next")
