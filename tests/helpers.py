@@ -267,7 +267,7 @@ class Launcher:
         with self._cond:
             self._cond.notify_all()
 
-    def communicate(self, timeout: float = 20) -> tuple[int, str, str]:
+    def communicate(self, timeout: float = 60) -> tuple[int, str, str]:
         """Wait for the launcher's exit: (returncode, stdout, stderr).  If it
         does not exit in time, it is killed and the test fails."""
         assert not self._readers, "communicate() of a launcher whose output is followed"
@@ -279,7 +279,7 @@ class Launcher:
             raise AssertionError(f"launcher did not finish in {timeout}s:\n{out}\n{err}") from None
         return self.proc.returncode, out, err
 
-    def wait(self, timeout: float = 20, message: str | None = None) -> int:
+    def wait(self, timeout: float = 60, message: str | None = None) -> int:
         """Wait for the launcher's exit: its returncode (for a launcher whose
         stdout and stderr are not pipes; else communicate()).  If it does not
         exit in time, it is killed and the test fails with message."""
@@ -327,7 +327,7 @@ class Launcher:
             if not self._cond.wait_for(predicate, timeout):
                 raise AssertionError(f"timed out waiting for {what}:\n" + "\n".join(map(str, self.out + self.err)))
 
-    def finish(self, timeout: float = 30) -> int:
+    def finish(self, timeout: float = 60) -> int:
         """With follow=True: wait for the exit and the last lines; the returncode."""
         code = self.proc.wait(timeout)
         for t in self._readers:

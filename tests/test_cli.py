@@ -50,7 +50,7 @@ def torchmp_cli():
 def run(torchmp_cli):
     """Run to completion: (returncode, stdout, stderr); checks nothing is left."""
 
-    def go(*args: str, env: dict[str, str] | None = None, timeout: float = 20):
+    def go(*args: str, env: dict[str, str] | None = None, timeout: float = 60):
         c = torchmp_cli(*args, env=env)
         result = c.communicate(timeout)
         assert wait_no_tagged(c.tag) == []

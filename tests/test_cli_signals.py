@@ -106,7 +106,7 @@ def test_usr2_forwarded_and_the_report_on_another_signal(run, tmp_path, how):
         la = run(env={"TORCHMP_FORWARD_SIGNALS": "USR2", "TORCHMP_HANG_REPORT_SIGNAL": str(int(report))})
     ready(la)
     la.proc.send_signal(report)
-    la.wait_for(lambda: any("hang report 1 saved in" in line for line in la.err), 15, "report 1")
+    la.wait_for(lambda: any("hang report 1 saved in" in line for line in la.err), 30, "report 1")
     assert any("hang report 1 of rank (asked by SIGRTMIN+1)" in line for line in la.err)
     la.proc.send_signal(signal.SIGUSR2)
     assert la.finish() == 0
