@@ -255,7 +255,10 @@ def collect_exit(pid_t pid):
 
 def keeper_pid():
     """The pid of this process's keeper (0 if none yet): the process that
-    SIGKILLs every worker process group still open when this process dies."""
+    SIGKILLs every worker process group still open when this process dies.
+    Waits for the keeper's start to finish if it has not yet."""
+    with nogil:
+        torchmp_keeper_settle(1)
     return torchmp_keeper_pid()
 
 

@@ -570,6 +570,9 @@ int torchmp_command_reap(torchmp_command *c)
         return -1;
     }
     torchmp_command_reap_once(c);
+    /* The caller's thread, after the command's life: the keeper's middle
+     * process (started with the first command) is no zombie past this. */
+    torchmp_keeper_settle(1);
     return 0;
 }
 

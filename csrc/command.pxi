@@ -228,6 +228,10 @@ cdef class Command:
         rc = torchmp_command_wait(self.c, 0, until, -1)
         if rc == 1 or rc == 0 and timeout == 0:
             return rc == 1
+        # The keeper started with this process's first command: its start
+        # ends while the command runs, not before the command was spawned.
+        with nogil:
+            torchmp_keeper_settle(1)
         deadline = None if timeout < 0 else time_ns() + <int64_t>(timeout * 1e9)
         # (csrc/signal_wake.pxi, as in Group.wait)
         signal_fd = signal_wake_begin()
@@ -312,7 +316,7 @@ def start_command(bytes program not None, list argv not None, list envp, bytes s
     cdef list hold = []
     cdef Command command
     if self_pid() != _commands_pid:
-        torchmp_keeper_start()  # once per process; without it, PDEATHSIG still kills the leader
+        torchmp_keeper_start()  # once per process (settled by wait); without it, PDEATHSIG still kills the leader
         torchmp_procscan_init()
         _commands_pid = self_pid()
     memset(&spec, 0, sizeof(spec))

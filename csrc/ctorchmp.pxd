@@ -204,6 +204,7 @@ cdef extern from "torchmp.h" nogil:
     int torchmp_keeper_start()
     void torchmp_keeper_forget()
     pid_t torchmp_keeper_pid()
+    void torchmp_keeper_settle(int block) nogil
     int torchmp_pgroups_alive(const pid_t *pgids, int n, unsigned char *alive)
     int torchmp_group_finish_streams(torchmp_group *g)
     void torchmp_group_release(torchmp_group *g)

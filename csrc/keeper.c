@@ -26,7 +26,17 @@
  * launcher whose middle process exits at once (its parent is pid 1 or the
  * nearest subreaper, not the launcher), so it never shows up among the
  * launcher's children, is never reaped by it and never delivers a SIGCHLD to
- * it.  It is in a session of its own, so a Ctrl-C or a hangup aimed at the
+ * it.
+ *
+ * The exec'd middle is not waited for at start: its dynamic loading, the
+ * fork and its exit take longer than a short first command does, and that
+ * was the launcher's whole first launch waiting.  Nothing needs it sooner.
+ * Once posix_spawn has returned the middle has exec'd, holding the pipe's
+ * read end and the table: if the launcher dies from then on, the keeper it
+ * forks finds the EOF and the groups registered meanwhile.  The middle is
+ * reaped later (torchmp_keeper_settle: when a registered group leaves the
+ * table, at the latest when someone asks for the keeper's pid), and if it
+ * ended without a keeper, one is forked then to watch the same table.  It is in a session of its own, so a Ctrl-C or a hangup aimed at the
  * launcher's terminal does not take it down first (keeper_watch.c).  Between
  * fork and its exit a forked keeper makes only async-signal-safe calls: the
  * launcher may have any number of threads.
@@ -38,6 +48,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -61,6 +72,14 @@ static int keeper_write_fd = -1;
 static pid_t keeper_owner;         /* the process whose keeper this is */
 static int keeper_hint = 1;        /* where the next free-slot search starts */
 static char *keeper_helper;        /* torchmp/_keeper; NULL: fork the keeper */
+/* The exec'd keeper's middle process while nobody has reaped it (0: none);
+ * settle_mu serializes reaping it. */
+static pid_t keeper_middle;
+static pthread_mutex_t settle_mu = PTHREAD_MUTEX_INITIALIZER;
+/* The write end of a pipe a keeper may still watch after its middle died
+ * of a signal before saying so: kept open, or that keeper would take the
+ * launcher for dead. */
+static int keeper_spare_fd = -1;
 
 int torchmp_keeper_set_helper(const char *path)
 {
@@ -93,9 +112,10 @@ static int middle_done(pid_t middle, const int32_t *table)
 
 #ifdef TORCHMP_HAVE_KEEPER_EXEC
 /* The keeper exec'd from torchmp/_keeper: the table in a memfd, the pipe's
- * read end and the memfd on the fds the program expects.  0 with *table_out
- * and the pipe's write end, or -1 with errno (the caller forks instead). */
-static int start_exec(int32_t **table_out, int *write_fd)
+ * read end and the memfd on the fds the program expects.  0 with *table_out,
+ * the pipe's write end and the middle process (not waited for), or -1 with
+ * errno (the caller forks instead). */
+static int start_exec(int32_t **table_out, int *write_fd, pid_t *middle_out)
 {
     posix_spawn_file_actions_t actions;
     posix_spawnattr_t attr;
@@ -161,14 +181,12 @@ static int start_exec(int32_t **table_out, int *write_fd)
         goto fail;
     }
     close(p[0]);
-    p[0] = -1;
-    if (middle_done(middle, table) != 0)
-        goto fail;
     close(high[0]);
     close(high[1]);
     close(memfd);
     *table_out = table;
     *write_fd = p[1];
+    *middle_out = middle;
     return 0;
 
 fail:
@@ -187,20 +205,25 @@ fail:
 }
 #endif
 
-/* The keeper forked from the launcher, the table in an anonymous shared
- * mapping: where the program cannot be exec'd. */
-static int start_fork(int32_t **table_out, int *write_fd)
+/* The keeper forked from the launcher: where the program cannot be exec'd,
+ * the table in a new anonymous shared mapping (*table_inout NULL); when an
+ * exec'd keeper's middle died without one, watching its table. */
+static int start_fork(int32_t **table_inout, int *write_fd)
 {
     int p[2];
     pid_t child;
-    int32_t *table;
+    int32_t *table = *table_inout;
+    int mapped = table == NULL;
 
-    table = mmap(NULL, TABLE_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (table == MAP_FAILED)
-        return -1;
+    if (mapped) {
+        table = mmap(NULL, TABLE_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (table == MAP_FAILED)
+            return -1;
+    }
     if (torchmp_pipe_cloexec(p) != 0) {
         int saved = errno;
-        munmap(table, TABLE_BYTES);
+        if (mapped)
+            munmap(table, TABLE_BYTES);
         errno = saved;
         return -1;
     }
@@ -209,7 +232,8 @@ static int start_fork(int32_t **table_out, int *write_fd)
         int saved = errno;
         close(p[0]);
         close(p[1]);
-        munmap(table, TABLE_BYTES);
+        if (mapped)
+            munmap(table, TABLE_BYTES);
         errno = saved;
         return -1;
     }
@@ -226,11 +250,12 @@ static int start_fork(int32_t **table_out, int *write_fd)
     if (middle_done(child, table) != 0) {
         int saved = errno;
         close(p[1]);
-        munmap(table, TABLE_BYTES);
+        if (mapped)
+            munmap(table, TABLE_BYTES);
         errno = saved;
         return -1;
     }
-    *table_out = table;
+    *table_inout = table;
     *write_fd = p[1];
     return 0;
 }
@@ -239,6 +264,7 @@ int torchmp_keeper_start(void)
 {
     int32_t *table = NULL;
     int write_fd = -1;
+    pid_t middle = 0;
 
     if (keeper_table != NULL && keeper_owner == torchmp_self_pid())
         return 0;
@@ -246,9 +272,10 @@ int torchmp_keeper_start(void)
      * parent, and our copy of its pipe would hide the parent's death. */
     torchmp_keeper_forget();
 #ifdef TORCHMP_HAVE_KEEPER_EXEC
-    if (start_exec(&table, &write_fd) != 0)
+    if (start_exec(&table, &write_fd, &middle) != 0)
 #endif
     {
+        table = NULL;
         if (start_fork(&table, &write_fd) != 0)
             return -1;
     }
@@ -256,7 +283,56 @@ int torchmp_keeper_start(void)
     keeper_write_fd = write_fd;
     keeper_owner = torchmp_self_pid();
     keeper_hint = 1;
+    __atomic_store_n(&keeper_middle, middle, __ATOMIC_RELEASE);
     return 0;
+}
+
+/* The exec'd keeper's middle ended and no keeper's pid is in slot 0: fork a
+ * keeper that watches the same table through a new pipe.  no_keeper: the
+ * middle exited by itself (it returns non-zero only before or without
+ * forking), so nothing reads the old pipe.  Otherwise (killed by a signal,
+ * or reaped by someone else) a keeper it forked may be running unannounced:
+ * its pipe stays open.  Without a new keeper (the fork failed), the old pipe
+ * stays too: PDEATHSIG still kills the leaders. */
+static void keeper_replace(int no_keeper)
+{
+    int32_t *table = keeper_table;
+    int write_fd, old_fd = keeper_write_fd;
+
+    if (start_fork(&table, &write_fd) != 0)
+        return;
+    keeper_write_fd = write_fd;
+    if (no_keeper) {
+        (void)close(old_fd);
+    } else {
+        if (keeper_spare_fd >= 0)
+            (void)close(keeper_spare_fd); /* a second failure: its keeper is the older one's twin */
+        keeper_spare_fd = old_fd;
+    }
+}
+
+void torchmp_keeper_settle(int block)
+{
+    int saved = errno, status = 0;
+    pid_t middle, r;
+
+    if (__atomic_load_n(&keeper_middle, __ATOMIC_ACQUIRE) <= 0 || keeper_owner != torchmp_self_pid())
+        return;
+    if ((block ? pthread_mutex_lock(&settle_mu) : pthread_mutex_trylock(&settle_mu)) != 0)
+        return;
+    middle = __atomic_load_n(&keeper_middle, __ATOMIC_ACQUIRE);
+    if (middle > 0) {
+        do {
+            r = waitpid(middle, &status, block ? 0 : WNOHANG);
+        } while (r < 0 && errno == EINTR);
+        if (r != 0) { /* reaped, or somebody else's waitpid(-1) was first (ECHILD) */
+            if (__atomic_load_n(&keeper_table[0], __ATOMIC_ACQUIRE) <= 0)
+                keeper_replace(r == middle && WIFEXITED(status));
+            __atomic_store_n(&keeper_middle, 0, __ATOMIC_RELEASE);
+        }
+    }
+    pthread_mutex_unlock(&settle_mu);
+    errno = saved;
 }
 
 void torchmp_keeper_forget(void)
@@ -268,6 +344,11 @@ void torchmp_keeper_forget(void)
         (void)close(keeper_write_fd);
         keeper_write_fd = -1;
         keeper_table = NULL;
+        keeper_middle = 0; /* the parent's child, not ours */
+        if (keeper_spare_fd >= 0) {
+            (void)close(keeper_spare_fd);
+            keeper_spare_fd = -1;
+        }
     }
 }
 
@@ -275,6 +356,7 @@ pid_t torchmp_keeper_pid(void)
 {
     if (keeper_table == NULL || keeper_owner != torchmp_self_pid())
         return 0;
+    torchmp_keeper_settle(1);
     return (pid_t)__atomic_load_n(&keeper_table[0], __ATOMIC_ACQUIRE);
 }
 
@@ -308,4 +390,5 @@ void torchmp_keeper_remove(int slot)
     __atomic_store_n(&keeper_table[slot], 0, __ATOMIC_RELEASE);
     if (slot < __atomic_load_n(&keeper_hint, __ATOMIC_RELAXED))
         __atomic_store_n(&keeper_hint, slot, __ATOMIC_RELAXED);
+    torchmp_keeper_settle(0); /* by now the middle has long exited, as a rule */
 }

@@ -627,7 +627,10 @@ int torchmp_say(torchmp_console *queue, int fd, const char *data, size_t len);
 int torchmp_keeper_set_helper(const char *path);
 int torchmp_keeper_start(void);          /* once per process; 0 or -1 with errno */
 void torchmp_keeper_forget(void);        /* in a forked child: let go of the parent's keeper */
-pid_t torchmp_keeper_pid(void);          /* 0 if none */
+pid_t torchmp_keeper_pid(void);          /* 0 if none; settles the start first */
+/* Reap the exec'd keeper's middle process if it has exited (block: wait for
+ * it), forking a keeper if it left none.  Any thread; keeps errno. */
+void torchmp_keeper_settle(int block);
 int torchmp_keeper_add(pid_t pgid);      /* a slot (0: not covered); any thread */
 void torchmp_keeper_remove(int slot);
 /* keeper_watch.c: the keeper's whole life, in a process of its own: waits

@@ -541,17 +541,29 @@ def test_launcher_exit_without_close_closes_the_normal_way(launcher, tmp_path, h
     assert wait_gone(leaders + children, 1.0) == []
 
 
-@pytest.mark.parametrize("helper", ["default", "none", "not-a-program"])
+def _helper_env(tmp_path: Path, helper: str) -> dict[str, str]:
+    """The launcher's environment for a keeper program that is missing or
+    fails: "none" (the launcher forks its keeper), "not-a-program" (the exec
+    fails), "exits" (exec'd, exits 1 without forking a keeper), "killed"
+    (exec'd, killed by a signal before it says whether it forked one)."""
+    if helper == "default":
+        return {}
+    if helper == "none":
+        return {"TORCHMP_KEEPER_HELPER": ""}
+    program = tmp_path / "keeper"
+    program.write_text({"not-a-program": "not a program\n",
+                        "exits": "#!/bin/sh\nexit 1\n",
+                        "killed": "#!/bin/sh\nkill -KILL $$\n"}[helper])
+    program.chmod(0o755)
+    return {"TORCHMP_KEEPER_HELPER": str(program)}
+
+
+@pytest.mark.parametrize("helper", ["default", "none", "not-a-program", "exits", "killed"])
 def test_keeper_is_no_child_of_the_launcher_and_exits_with_it(launcher, tmp_path, helper):
     # Exec'd from torchmp/_keeper by default (where it is built); forked
-    # from the launcher without it, or when it cannot be run.
-    env = {}
-    if helper == "none":
-        env["TORCHMP_KEEPER_HELPER"] = ""
-    elif helper == "not-a-program":
-        (tmp_path / "keeper").write_text("not a program\n")
-        (tmp_path / "keeper").chmod(0o755)
-        env["TORCHMP_KEEPER_HELPER"] = str(tmp_path / "keeper")
+    # from the launcher without it, or when it cannot be run, or when it
+    # ends without starting one.
+    env = _helper_env(tmp_path, helper)
     run = launcher("""
         import sys, time
         from torchmp import _core
@@ -579,6 +591,35 @@ def test_keeper_is_no_child_of_the_launcher_and_exits_with_it(launcher, tmp_path
         assert wait_gone([keeper], 2.0) == []
     finally:
         run.stop()
+
+
+@pytest.mark.skipif(_core.PORTABLE_BUILD, reason="the portable build forks its keeper")
+def test_first_command_starts_while_its_keeper_is_still_starting(launcher, tmp_path):
+    # The keeper's program is exec'd with the first torchmp.run, and the
+    # command is spawned without waiting for it to have forked the keeper.
+    # This program will not start the keeper before the command has run: a
+    # launcher that waited first would see it give up after 20 s and fork a
+    # keeper of its own (whose program is Python's, not torchmp/_keeper).
+    real = Path(_core.__file__).with_name("_keeper").resolve()
+    ran = tmp_path / "ran"
+    helper = tmp_path / "keeper"
+    helper.write_text(f'#!/bin/sh\nfor i in $(seq 2000); do\n  [ -e "{ran}" ] && exec "{real}"\n'
+                      f'  sleep 0.01\ndone\nexit 1\n')
+    helper.chmod(0o755)
+    run = launcher("""
+        import os, sys
+        import torchmp
+        from torchmp import _core
+        r = torchmp.run(["touch", sys.argv[1]])
+        keeper = _core.keeper_pid()
+        print(r.returncode, keeper, os.readlink(f"/proc/{keeper}/exe"), flush=True)
+    """, str(ran), env={"TORCHMP_KEEPER_HELPER": str(helper)})
+    rc, out, err = run.communicate(60)
+    assert rc == 0, err
+    code, keeper, program = out.split()
+    assert code == "0" and int(keeper) > 0
+    assert program == str(real)
+    assert wait_gone([int(keeper)], 5.0) == []  # the launcher has exited: so has its keeper
 
 
 # ---------------------------------------------------------------------------

@@ -527,13 +527,30 @@ def test_the_lean_path_adds_nothing_to_the_command_or_the_launcher(tmp_path):
     assert list(work.iterdir()) == [] and list(tmp.iterdir()) == []
 
 
-def test_a_sigkilled_launcher_takes_the_command_and_its_group_with_it(tmp_path):
+# The keeper's program: torchmp/_keeper (default); none (the launcher forks
+# the keeper); exec'd but exiting at once, or killed at once, without a
+# keeper (found while the command runs: the launcher forks one that watches
+# the groups registered meanwhile).
+KEEPER_HELPERS = {"default": None, "none": "", "exits": "#!/bin/sh\nexit 1\n",
+                  "killed": "#!/bin/sh\nkill -KILL $$\n"}
+
+
+@pytest.mark.parametrize("helper", sorted(KEEPER_HELPERS))
+def test_a_sigkilled_launcher_takes_the_command_and_its_group_with_it(tmp_path, helper):
     pidfile = tmp_path / "pids"
+    env = {}
+    if KEEPER_HELPERS[helper] is not None:
+        env["TORCHMP_KEEPER_HELPER"] = KEEPER_HELPERS[helper]
+        if KEEPER_HELPERS[helper]:
+            program = tmp_path / "keeper"
+            program.write_text(KEEPER_HELPERS[helper])
+            program.chmod(0o755)
+            env["TORCHMP_KEEPER_HELPER"] = str(program)
     with Launchers() as launchers:
         launcher = launchers.python(f"""
             import torchmp
             torchmp.run(["sh", "-c", "echo $$ >> {pidfile}; sleep 60 & echo $! >> {pidfile}; wait"])
-        """)
+        """, env=env)
         pids = read_pids(pidfile, 2, timeout=20)
         os.kill(launcher.proc.pid, signal.SIGKILL)
         launcher.proc.wait(10)
