@@ -368,10 +368,7 @@ static torchmp_loop *loop_create(void)
     /* Before the I/O thread exists: one thread fewer to fork.  Without a
      * keeper (fork failed) workers still die with the launcher by PDEATHSIG;
      * only their own children would be left. */
-    (void)torchmp_keeper_start();
-    /* Ready before the first rank: a context's launcher may only ever poll
-     * (wait(0)), and nothing else would learn that the start failed. */
-    torchmp_keeper_settle(1);
+    (void)torchmp_keeper_start(); /* settled once the first ranks are started (Group.spawn, adopt) */
     torchmp_procscan_init();
     if (torchmp_loop_notify_open(&L->wake_r, &L->wake_w) != 0)
         goto fail;

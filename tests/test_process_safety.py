@@ -452,12 +452,25 @@ def _descendants(pid: int) -> list[int]:
 # How the keeper starts: exec'd from torchmp/_keeper (the default where it
 # is built), or forked from the launcher (TORCHMP_KEEPER_HELPER="", and where
 # the program cannot be run).
-KEEPER_STARTS = [pytest.param("exec", marks=pytest.mark.skipif(
-    _core.PORTABLE_BUILD, reason="the portable build forks its keeper")), "fork"]
+KEEPER_STARTS = [pytest.param("default", marks=pytest.mark.skipif(
+    _core.PORTABLE_BUILD, reason="the portable build forks its keeper")), "none", "exits", "killed"]
 
 
-def _keeper_env(start: str) -> dict[str, str]:
-    return {} if start == "exec" else {"TORCHMP_KEEPER_HELPER": ""}
+def _helper_env(tmp_path: Path, helper: str) -> dict[str, str]:
+    """The launcher's environment for a keeper program that is missing or
+    fails: "none" (the launcher forks its keeper), "not-a-program" (the exec
+    fails), "exits" (exec'd, exits 1 without forking a keeper), "killed"
+    (exec'd, killed by a signal before it says whether it forked one)."""
+    if helper == "default":
+        return {}
+    if helper == "none":
+        return {"TORCHMP_KEEPER_HELPER": ""}
+    program = tmp_path / "keeper"
+    program.write_text({"not-a-program": "not a program\n",
+                        "exits": "#!/bin/sh\nexit 1\n",
+                        "killed": "#!/bin/sh\nkill -KILL $$\n"}[helper])
+    program.chmod(0o755)
+    return {"TORCHMP_KEEPER_HELPER": str(program)}
 
 
 @pytest.mark.parametrize("keeper_start", KEEPER_STARTS)
@@ -466,7 +479,7 @@ def test_sigkilled_torchmp_run_leaves_no_process_of_any_rank(launcher, tmp_path,
             f'echo up >> "{tmp_path}/up"; wait')
     run = launcher("import sys\nfrom torchmp.__main__ import main\nsys.exit(main())",
                    "run", "-n", "2", "--log-dir", str(tmp_path / "logs"), "--", "sh", "-c", body,
-                   env=_keeper_env(keeper_start))
+                   env=_helper_env(tmp_path, keeper_start))
     try:
         deadline = time.monotonic() + 20
         procs: list[int] = []
@@ -541,23 +554,6 @@ def test_launcher_exit_without_close_closes_the_normal_way(launcher, tmp_path, h
     assert wait_gone(leaders + children, 1.0) == []
 
 
-def _helper_env(tmp_path: Path, helper: str) -> dict[str, str]:
-    """The launcher's environment for a keeper program that is missing or
-    fails: "none" (the launcher forks its keeper), "not-a-program" (the exec
-    fails), "exits" (exec'd, exits 1 without forking a keeper), "killed"
-    (exec'd, killed by a signal before it says whether it forked one)."""
-    if helper == "default":
-        return {}
-    if helper == "none":
-        return {"TORCHMP_KEEPER_HELPER": ""}
-    program = tmp_path / "keeper"
-    program.write_text({"not-a-program": "not a program\n",
-                        "exits": "#!/bin/sh\nexit 1\n",
-                        "killed": "#!/bin/sh\nkill -KILL $$\n"}[helper])
-    program.chmod(0o755)
-    return {"TORCHMP_KEEPER_HELPER": str(program)}
-
-
 @pytest.mark.parametrize("helper", ["default", "none", "not-a-program", "exits", "killed"])
 def test_keeper_is_no_child_of_the_launcher_and_exits_with_it(launcher, tmp_path, helper):
     # Exec'd from torchmp/_keeper by default (where it is built); forked
@@ -593,31 +589,41 @@ def test_keeper_is_no_child_of_the_launcher_and_exits_with_it(launcher, tmp_path
         run.stop()
 
 
+LAUNCH_ONE_TOUCH = {
+    "run": "torchmp.run(['touch', sys.argv[1]]).check_returncode()",
+    "context": ("ctx = torchmp.start_processes('t', 'touch', {0: (sys.argv[1],)}, {0: {}}, "
+                "torchmp.DefaultLogsSpecs(log_dir=os.path.dirname(sys.argv[1]) + '/logs')); "
+                "assert not ctx.wait().is_failed()"),
+}
+
+
 @pytest.mark.skipif(_core.PORTABLE_BUILD, reason="the portable build forks its keeper")
-def test_first_command_starts_while_its_keeper_is_still_starting(launcher, tmp_path):
-    # The keeper's program is exec'd with the first torchmp.run, and the
-    # command is spawned without waiting for it to have forked the keeper.
-    # This program will not start the keeper before the command has run: a
-    # launcher that waited first would see it give up after 20 s and fork a
-    # keeper of its own (whose program is Python's, not torchmp/_keeper).
+@pytest.mark.parametrize("how", sorted(LAUNCH_ONE_TOUCH))
+def test_first_launch_starts_while_its_keeper_is_still_starting(launcher, tmp_path, how):
+    # The keeper's program is exec'd with the process's first launch, and
+    # the command or the ranks are spawned without waiting for it to have
+    # forked the keeper.  This program will not start the keeper before the
+    # first rank has run: a launcher that waited first would see it give up
+    # after 20 s and fork a keeper of its own (whose program is Python's, not
+    # torchmp/_keeper).
     real = Path(_core.__file__).with_name("_keeper").resolve()
     ran = tmp_path / "ran"
     helper = tmp_path / "keeper"
     helper.write_text(f'#!/bin/sh\nfor i in $(seq 2000); do\n  [ -e "{ran}" ] && exec "{real}"\n'
                       f'  sleep 0.01\ndone\nexit 1\n')
     helper.chmod(0o755)
-    run = launcher("""
+    run = launcher(f"""
         import os, sys
         import torchmp
         from torchmp import _core
-        r = torchmp.run(["touch", sys.argv[1]])
+        {LAUNCH_ONE_TOUCH[how]}
         keeper = _core.keeper_pid()
-        print(r.returncode, keeper, os.readlink(f"/proc/{keeper}/exe"), flush=True)
+        print(keeper, os.readlink(f"/proc/{{keeper}}/exe"), flush=True)
     """, str(ran), env={"TORCHMP_KEEPER_HELPER": str(helper)})
     rc, out, err = run.communicate(60)
     assert rc == 0, err
-    code, keeper, program = out.split()
-    assert code == "0" and int(keeper) > 0
+    keeper, program = out.split()
+    assert int(keeper) > 0
     assert program == str(real)
     assert wait_gone([int(keeper)], 5.0) == []  # the launcher has exited: so has its keeper
 
