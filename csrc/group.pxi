@@ -149,9 +149,6 @@ cdef class Group:
             try:
                 with nogil:
                     started = torchmp_group_spawn(self.g, cspecs, <int>count, &err)
-                    # The keeper, started with the first launch, has started
-                    # while the ranks did, and is ready when start() returns.
-                    torchmp_keeper_settle(1)
             finally:
                 self._leave()
             if started < 0:
@@ -304,7 +301,6 @@ cdef class Group:
             try:
                 with nogil:
                     adopted = torchmp_group_adopt(self.g, ranks, pids, starts, <int>count, by_forkserver, &err)
-                    torchmp_keeper_settle(1)  # (as in spawn)
             finally:
                 self._leave()
             if adopted < 0:

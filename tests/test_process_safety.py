@@ -589,36 +589,28 @@ def test_keeper_is_no_child_of_the_launcher_and_exits_with_it(launcher, tmp_path
         run.stop()
 
 
-LAUNCH_ONE_TOUCH = {
-    "run": "torchmp.run(['touch', sys.argv[1]]).check_returncode()",
-    "context": ("ctx = torchmp.start_processes('t', 'touch', {0: (sys.argv[1],)}, {0: {}}, "
-                "torchmp.DefaultLogsSpecs(log_dir=os.path.dirname(sys.argv[1]) + '/logs')); "
-                "assert not ctx.wait().is_failed()"),
-}
-
-
 @pytest.mark.skipif(_core.PORTABLE_BUILD, reason="the portable build forks its keeper")
-@pytest.mark.parametrize("how", sorted(LAUNCH_ONE_TOUCH))
-def test_first_launch_starts_while_its_keeper_is_still_starting(launcher, tmp_path, how):
-    # The keeper's program is exec'd with the process's first launch, and
-    # the command or the ranks are spawned without waiting for it to have
-    # forked the keeper.  This program will not start the keeper before the
-    # first rank has run: a launcher that waited first would see it give up
-    # after 20 s and fork a keeper of its own (whose program is Python's, not
-    # torchmp/_keeper).
+def test_first_command_starts_while_its_keeper_is_still_starting(launcher, tmp_path):
+    # The keeper's program is exec'd with the process's first torchmp.run,
+    # and the command is spawned without waiting for it to have forked the
+    # keeper.  This program will not start the keeper before the command has
+    # run: a launcher that waited first would see it give up after 20 s and
+    # fork a keeper of its own (whose program is Python's, not
+    # torchmp/_keeper).  (A context waits for its keeper before its first
+    # rank: see csrc/loop_thread.c.)
     real = Path(_core.__file__).with_name("_keeper").resolve()
     ran = tmp_path / "ran"
     helper = tmp_path / "keeper"
     helper.write_text(f'#!/bin/sh\nfor i in $(seq 2000); do\n  [ -e "{ran}" ] && exec "{real}"\n'
                       f'  sleep 0.01\ndone\nexit 1\n')
     helper.chmod(0o755)
-    run = launcher(f"""
+    run = launcher("""
         import os, sys
         import torchmp
         from torchmp import _core
-        {LAUNCH_ONE_TOUCH[how]}
+        torchmp.run(["touch", sys.argv[1]]).check_returncode()
         keeper = _core.keeper_pid()
-        print(keeper, os.readlink(f"/proc/{{keeper}}/exe"), flush=True)
+        print(keeper, os.readlink(f"/proc/{keeper}/exe"), flush=True)
     """, str(ran), env={"TORCHMP_KEEPER_HELPER": str(helper)})
     rc, out, err = run.communicate(60)
     assert rc == 0, err
