@@ -363,6 +363,10 @@ def start_command(bytes program not None, list argv not None, list envp, bytes s
         free(candidates)
         free(keep)
     if c == NULL:
+        # No wait or reap will come to settle the keeper's start: its middle
+        # process is no zombie of this process past the error.
+        with nogil:
+            torchmp_keeper_settle(1)
         if err.step == TORCHMP_STEP_EXEC and err.errnum > 0:
             raise OSError(err.errnum, strerror(err.errnum).decode(), filename)
         if err.step == TORCHMP_STEP_CHDIR and err.errnum > 0:

@@ -527,6 +527,26 @@ def test_the_lean_path_adds_nothing_to_the_command_or_the_launcher(tmp_path):
     assert list(work.iterdir()) == [] and list(tmp.iterdir()) == []
 
 
+@pytest.mark.parametrize("how", ["exec fails", "timeout=0"])
+def test_a_first_command_leaves_no_child_of_its_keepers_start(how):
+    # The keeper's program starts with a process's first command, and its
+    # middle process is this process's child until reaped, while the command
+    # runs.  A first command that never starts, or one only looked at once,
+    # still leaves no child (nor zombie) behind.
+    call = {"exec fails": "torchmp.run(['/nonexistent/program'])",
+            "timeout=0": "torchmp.run(['sleep', '0.2'], timeout=0)"}[how]
+    out = run_launcher(f"""
+        import subprocess, psutil, torchmp
+        try:
+            {call}
+        except (FileNotFoundError, subprocess.TimeoutExpired):
+            pass
+        print([(p.pid, p.name(), p.status()) for p in psutil.Process().children()])
+    """)
+    assert out.returncode == 0, out.stderr.decode()
+    assert out.stdout.decode().strip() == "[]"
+
+
 # The keeper's program: torchmp/_keeper (default); none (the launcher forks
 # the keeper); exec'd but exiting at once, or killed at once, without a
 # keeper (found while the command runs: the launcher forks one that watches
