@@ -26,20 +26,22 @@
  * launcher whose middle process exits at once (its parent is pid 1 or the
  * nearest subreaper, not the launcher), so it never shows up among the
  * launcher's children, is never reaped by it and never delivers a SIGCHLD to
- * it.
- *
- * The exec'd middle is not waited for at start: its dynamic loading, the
- * fork and its exit take longer than a short first command does, and that
- * was the launcher's whole first launch waiting.  Nothing needs it sooner.
- * Once posix_spawn has returned the middle has exec'd, holding the pipe's
- * read end and the table: if the launcher dies from then on, the keeper it
- * forks finds the EOF and the groups registered meanwhile.  The middle is
- * reaped later (torchmp_keeper_settle: when a registered group leaves the
- * table, at the latest when someone asks for the keeper's pid), and if it
- * ended without a keeper, one is forked then to watch the same table.  It is in a session of its own, so a Ctrl-C or a hangup aimed at the
+ * it.  It is in a session of its own, so a Ctrl-C or a hangup aimed at the
  * launcher's terminal does not take it down first (keeper_watch.c).  Between
  * fork and its exit a forked keeper makes only async-signal-safe calls: the
  * launcher may have any number of threads.
+ *
+ * The exec'd middle is not waited for at start: its dynamic loading, the
+ * fork and its exit took longer than a short first command, and the
+ * launcher's first torchmp.run used to wait for all of it before spawning.
+ * Once posix_spawn has returned the middle has exec'd, holding the pipe's
+ * read end and the table: if the launcher dies from then on, the keeper it
+ * forks finds the EOF and the groups registered meanwhile.  The middle is
+ * reaped by torchmp_keeper_settle: a context's launcher settles before its
+ * first rank starts (loop_thread.c), torchmp.run while its first command
+ * runs (command.pxi), anyone asking for the keeper's pid first; a group
+ * leaving the table reaps it without waiting.  If it ended without a
+ * keeper, one is forked then to watch the same table.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -302,13 +304,10 @@ static void keeper_replace(int no_keeper)
     if (start_fork(&table, &write_fd) != 0)
         return;
     keeper_write_fd = write_fd;
-    if (no_keeper) {
+    if (no_keeper)
         (void)close(old_fd);
-    } else {
-        if (keeper_spare_fd >= 0)
-            (void)close(keeper_spare_fd); /* a second failure: its keeper is the older one's twin */
-        keeper_spare_fd = old_fd;
-    }
+    else
+        keeper_spare_fd = old_fd; /* once: a forked keeper's start is waited for */
 }
 
 void torchmp_keeper_settle(int block)
