@@ -124,9 +124,13 @@ from torchmp import Std
 class CloseOnWrite:
     def __init__(self):
         self.parts = []
+        self.closed_it = False
     def write(self, text):
         self.parts.append(text)
-        if len(self.parts) == 1:
+        # The first write once start_processes has returned: the lines that
+        # come before it does may be written before ctx exists.
+        if ctx is not None and not self.closed_it:
+            self.closed_it = True
             ctx.close()          # from inside the console's write()
             ctx.wait(5)
         return len(text)
@@ -136,13 +140,17 @@ class CloseOnWrite:
 sink = CloseOnWrite()
 real = sys.stdout
 sys.stdout = sink
-code = "import os, time\\nfor i in range(2000): os.write(1, b'line %d\\\\n' % i)\\ntime.sleep(30)"
+ctx = None
+# A burst, then a line every 10 ms until close() stops it: a write comes
+# after start_processes has returned, however late that is.
+code = ("import os, time\\nfor i in range(2000): os.write(1, b'line %d\\\\n' % i)\\n"
+        "while True:\\n    os.write(1, b'tick\\\\n')\\n    time.sleep(0.01)")
 ctx = torchmp.start_processes("c", sys.executable, {r: ("-c", code) for r in range(2)}, {r: {} for r in range(2)},
                               torchmp.DefaultLogsSpecs(log_dir=sys.argv[1], tee=Std.OUT))
 result = ctx.wait(60)
 ctx.close()
 sys.stdout = real
-print(json.dumps({"result": result is not None, "parts": len(sink.parts)}))
+print(json.dumps({"result": result is not None, "parts": len(sink.parts), "closed_in_write": sink.closed_it}))
 """
 
 
@@ -153,7 +161,7 @@ def test_a_write_that_closes_the_context_does_not_deadlock(tmp_path):
     assert launchers.left() == []
     assert code == 0, err
     report = json.loads(out.splitlines()[-1])
-    assert report["result"] and report["parts"] >= 1
+    assert report["result"] and report["parts"] >= 1 and report["closed_in_write"]
 
 
 FORK_WITH_OBJECT_CONSOLE = """

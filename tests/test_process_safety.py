@@ -29,7 +29,7 @@ import pytest
 
 import torchmp
 from torchmp import _core
-from helpers import Launcher, Launchers, kill_tagged, launcher_env, pid_alive, wait_gone, wait_no_tagged
+from helpers import TAG_VAR, Launcher, Launchers, kill_tagged, launcher_env, pid_alive, wait_gone, wait_no_tagged
 
 
 @pytest.fixture
@@ -493,11 +493,33 @@ def test_sigkilled_torchmp_run_leaves_no_process_of_any_rank(launcher, tmp_path,
         workers = [p for p in procs if _name(p) in ("sh", "sleep", "python3", "python")
                    or "time.sleep(300)" in _cmdline(p)]
         assert len(workers) >= 6, [(p, _name(p)) for p in procs]
+        groups = {p: _pgid(p) for p in workers}
+        keepers = [p for p in psutil.pids() if _name(p) == "torchmp-keeper" and _environ_has(p, run)]
         os.kill(run.proc.pid, signal.SIGKILL)
         run.proc.wait(10)
-        assert wait_gone(workers, 1.0) == [], [(p, _name(p)) for p in workers if pid_alive(p)]
+        left = wait_gone(workers, 5.0)
+        # What a failure needs to be understood: which groups the keeper left,
+        # and whether it was there at all.
+        assert left == [], (
+            f"alive: {[(p, _name(p), groups[p]) for p in left]}; every worker's group: {groups}; "
+            f"keepers before the kill: {keepers}, alive now: {[k for k in keepers if pid_alive(k)]}")
     finally:
         run.stop()
+
+
+def _pgid(pid: int) -> int:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return 0
+
+
+def _environ_has(pid: int, run: Launcher) -> bool:
+    """Whether pid carries the test tag of the launcher ``run``."""
+    try:
+        return psutil.Process(pid).environ().get(TAG_VAR) == run.tag
+    except psutil.Error:
+        return False
 
 
 def _name(pid: int) -> str:
