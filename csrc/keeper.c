@@ -344,6 +344,9 @@ void torchmp_keeper_forget(void)
         keeper_write_fd = -1;
         keeper_table = NULL;
         keeper_middle = 0; /* the parent's child, not ours */
+        /* Another thread of the parent may have held it, waiting for its
+         * middle, at the fork: the copy would stay locked for good. */
+        settle_mu = (pthread_mutex_t)PTHREAD_MUTEX_INITIALIZER;
         if (keeper_spare_fd >= 0) {
             (void)close(keeper_spare_fd);
             keeper_spare_fd = -1;

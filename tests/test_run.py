@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import torchmp
+from torchmp import _core
 from torchmp._launch.command import DRAIN_SECONDS, GRACE_SECONDS
 
 from helpers import Launchers, fd_target, kill_groups, pid_alive, read_pids, run_launcher, wait_gone
@@ -436,6 +437,39 @@ def test_an_interrupt_stops_the_command_and_goes_on(tmp_path):
         signal.signal(signal.SIGALRM, previous)
     assert "pid" in seen, "the command never wrote its pid"
     assert wait_gone([seen["pid"]], 2) == []
+
+
+@pytest.mark.skipif(_core.PORTABLE_BUILD, reason="the portable build forks its keeper")
+def test_a_fork_while_another_thread_waits_for_the_keepers_start(tmp_path):
+    # A process's first torchmp.run waits for its keeper's start while the
+    # command runs (here: a keeper program that takes 1 s to start).  A fork
+    # made meanwhile by another thread must leave the child free to start a
+    # keeper of its own: the wait's lock is not inherited held.
+    helper = tmp_path / "keeper"
+    real = Path(_core.__file__).with_name("_keeper").resolve()
+    helper.write_text(f'#!/bin/sh\nsleep 1\nexec "{real}"\n')
+    helper.chmod(0o755)
+    out = run_launcher("""
+        import os, threading, time, torchmp
+        first = threading.Thread(target=torchmp.run, args=(["true"],))
+        first.start()
+        time.sleep(0.3)  # the first run is waiting for the keeper now
+        pid = os.fork()
+        if pid == 0:
+            os._exit(torchmp.run(["sh", "-c", "exit 7"], timeout=30).returncode)
+        first.join()
+        deadline = time.monotonic() + 20
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if done[0] == 0:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            print("child hung")
+        else:
+            print("child", os.waitstatus_to_exitcode(done[1]))
+    """, env={"TORCHMP_KEEPER_HELPER": str(helper)})
+    assert out.returncode == 0, out.stderr.decode()
+    assert out.stdout.decode().split() == ["child", "7"]
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"capture_output": True}, {"timeout": 20}],
