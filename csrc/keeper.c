@@ -41,7 +41,11 @@
  * first rank starts (loop_thread.c), torchmp.run while its first command
  * runs (command.pxi), anyone asking for the keeper's pid first; a group
  * leaving the table reaps it without waiting.  If it ended without a
- * keeper, one is forked then to watch the same table.
+ * keeper, one is forked then to watch the same table.  The price is in that
+ * case only (a program that runs but fails, e.g. its dynamic loader): from
+ * the first command's spawn until that fork, the command's group is covered
+ * by its leader's PDEATHSIG alone, where a synchronous start would have
+ * forked the fallback before the spawn.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE

@@ -15,13 +15,14 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 import torchmp
 from torchmp import _core
 from torchmp._launch.command import DRAIN_SECONDS, GRACE_SECONDS
 
-from helpers import Launchers, fd_target, kill_groups, pid_alive, read_pids, run_launcher, wait_gone
+from helpers import Launchers, fd_target, kill_groups, pid_alive, read_pids, run_launcher, tagged, wait_gone
 
 PY = sys.executable
 # Under load (CI runs two suites side by side) a fork+exec can take a while:
@@ -581,10 +582,22 @@ def test_a_first_command_leaves_no_child_of_its_keepers_start(how):
     assert out.stdout.decode().strip() == "[]"
 
 
+def _has_keeper(tag: str) -> bool:
+    """Whether a keeper carries the tag of a launcher's environment."""
+    for p in tagged(tag):
+        try:
+            if p.name() == "torchmp-keeper":
+                return True
+        except psutil.Error:
+            pass
+    return False
+
+
 # The keeper's program: torchmp/_keeper (default); none (the launcher forks
 # the keeper); exec'd but exiting at once, or killed at once, without a
 # keeper (found while the command runs: the launcher forks one that watches
-# the groups registered meanwhile).
+# the groups registered meanwhile -- until then, only the leader is covered,
+# by its parent-death signal; csrc/keeper.c).
 KEEPER_HELPERS = {"default": None, "none": "", "exits": "#!/bin/sh\nexit 1\n",
                   "killed": "#!/bin/sh\nkill -KILL $$\n"}
 
@@ -606,6 +619,12 @@ def test_a_sigkilled_launcher_takes_the_command_and_its_group_with_it(tmp_path, 
             torchmp.run(["sh", "-c", "echo $$ >> {pidfile}; sleep 60 & echo $! >> {pidfile}; wait"])
         """, env=env)
         pids = read_pids(pidfile, 2, timeout=20)
+        # A fallback keeper is forked while the command runs: once it is
+        # there, it covers the group registered before it.
+        deadline = time.monotonic() + 20
+        while not _has_keeper(launcher.tag):
+            assert time.monotonic() < deadline, "the launcher has no keeper after 20 s"
+            time.sleep(0.01)
         os.kill(launcher.proc.pid, signal.SIGKILL)
         launcher.proc.wait(10)
         # the leader by its parent-death signal, the rest by the keeper
