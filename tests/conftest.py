@@ -90,8 +90,11 @@ except (OSError, AttributeError):  # not glibc
 
 @pytest.fixture(scope="session", autouse=True)
 def _start_io_thread() -> None:
-    # The I/O thread and its control fd live as long as the process.
+    # The I/O thread and its control fd live as long as the process; so do
+    # the two files of the OOM watch that every launch reads (kept open).
     _core.backend()
+    from torchmp import _oom
+    _oom.start_watch()
 
 
 @pytest.fixture(autouse=True)
