@@ -309,12 +309,14 @@ def read_kept(int slot, path not None):
     cdef bytes p = _os.fsencode(path)
     cdef char *buf = <char *>malloc(65536)
     cdef ssize_t n
+    cdef int err
     if buf == NULL:
         raise MemoryError()
     try:
         n = torchmp_kept_read(slot, p, buf, 65536)
         if n < 0:
-            raise OSError(errno, strerror(errno).decode(), _os.fsdecode(p))
+            err = errno
+            raise OSError(err, strerror(err).decode(), _os.fsdecode(p))
         return buf[:n]
     finally:
         free(buf)
