@@ -296,32 +296,6 @@ def cgroup_root_version(path not None):
     return torchmp_cgroup_root_version(p)
 
 
-# Kept-open files of the OOM watch (torchmp/_oom.py): one slot each.
-KEPT_PROC_CGROUP = 0
-KEPT_OOM_COUNTER = 1
-
-
-def read_kept(int slot, path not None):
-    """The whole of the small kernel file ``path`` (at most 64 KiB), read
-    through kept-open ``slot`` (KEPT_*): every launch reads two, and the
-    open is most of the cost (csrc/cgroupfs.c).  OSError as open/read
-    would raise it."""
-    cdef bytes p = _os.fsencode(path)
-    cdef char *buf = <char *>malloc(65536)
-    cdef ssize_t n
-    cdef int err
-    if buf == NULL:
-        raise MemoryError()
-    try:
-        n = torchmp_kept_read(slot, p, buf, 65536)
-        if n < 0:
-            err = errno
-            raise OSError(err, strerror(err).decode(), _os.fsdecode(p))
-        return buf[:n]
-    finally:
-        free(buf)
-
-
 def nofile_limits():
     """RLIMIT_NOFILE as (soft, hard), -1 for no limit (RLIM_INFINITY).  Every
     launch asks; reading it here spares a program's first launch importing

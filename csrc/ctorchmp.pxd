@@ -274,4 +274,3 @@ cdef extern from "torchmp.h" nogil:
     pid_t torchmp_self_pid()
     int torchmp_log_create(const char *path, int *wrong_type)
     int torchmp_cgroup_root_version(const char *path)
-    ssize_t torchmp_kept_read(int slot, const char *path, char *buf, size_t cap)

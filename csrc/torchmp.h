@@ -663,11 +663,6 @@ pid_t torchmp_self_pid(void);
 /* 1 or 2 if path is the root directory of a whole cgroup v1 or v2 hierarchy
  * (not a mounted subtree of one), 0 if it is not or cannot be told. */
 int torchmp_cgroup_root_version(const char *path);
-/* The whole of the small file at path, read through kept-open slot
- * 0..1 (re-opened when it is no longer that file of this process): its
- * length, or -1 with errno (EFBIG if it does not fit in cap).  Callers
- * hold the GIL. */
-ssize_t torchmp_kept_read(int slot, const char *path, char *buf, size_t cap);
 
 /* notifier.c, command.c, loop_commands.c: one command outside the worker
  * groups (torchmp.run), and how event loops are woken. */

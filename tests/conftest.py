@@ -90,11 +90,8 @@ except (OSError, AttributeError):  # not glibc
 
 @pytest.fixture(scope="session", autouse=True)
 def _start_io_thread() -> None:
-    # The I/O thread and its control fd live as long as the process; so do
-    # the two files of the OOM watch that every launch reads (kept open).
+    # The I/O thread and its control fd live as long as the process.
     _core.backend()
-    from torchmp import _oom
-    _oom.start_watch()
 
 
 @pytest.fixture(autouse=True)

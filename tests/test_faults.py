@@ -295,10 +295,7 @@ else:
     entry = time.sleep
     args = {r: (30,) for r in range(n)}
     kw = {"start_method": kind}
-# The I/O thread and its fds live as long as the process; so do the OOM
-# watch's two kept-open files (torchmp/_oom.py).
-torchmp._core.backend()
-torchmp._oom.start_watch()
+torchmp._core.backend()  # the I/O thread and its fds live as long as the process
 baseline = fds()
 try:
     torchmp.start_processes("w", entry, args, {r: {} for r in range(n)}, specs, **kw)

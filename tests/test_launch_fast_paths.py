@@ -6,7 +6,6 @@ a finished launch's group is freed without a wake-up of the I/O thread of its
 own."""
 from __future__ import annotations
 
-import errno
 import json
 import os
 import signal
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from torchmp import _core, _oom, _signals, api
+from torchmp import _oom, _signals, api
 
 from helpers import run_launcher
 
@@ -30,8 +29,7 @@ def fake_proc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]
     files = {"/proc/self/cgroup": CGROUP_V2, "/proc/self/mountinfo": MOUNTINFO_V2.format(root=tmp_path)}
     real = _oom._read
 
-    def read(path: str, kept: int | None = None) -> str:
-        # Plain reads: the kept-open slots are for this process's own files.
+    def read(path: str) -> str:
         return files[path] if path in files else real(path)
 
     monkeypatch.setattr(_oom, "_read", read)
@@ -68,16 +66,7 @@ def test_oom_baseline_cache_is_not_a_forked_childs(fake_proc: dict[str, str], mo
 def test_oom_baseline_reads_a_counter_larger_than_one_read(tmp_path: Path) -> None:
     counter = tmp_path / "memory.events"
     counter.write_text("x " * 70000 + "\noom_kill 5\n")  # past one 64 KiB read
-    cg = _oom.MemCgroup(2, "/", str(counter))
-    assert _oom.read_oom_kills(cg) == 5
-    # Through the kept-open slot too: past its 64 KiB, a plain read.
-    with pytest.raises(OSError) as too_big:
-        _core.read_kept(_core.KEPT_OOM_COUNTER, str(counter))
-    assert too_big.value.errno == errno.EFBIG
-    try:
-        assert _oom.read_oom_kills(cg, kept=True) == 5
-    finally:
-        _oom.start_watch()  # the slot back on this process's own counter
+    assert _oom.read_oom_kills(_oom.MemCgroup(2, "/", str(counter))) == 5
 
 
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="handlers need the main thread")

@@ -449,9 +449,9 @@ def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     reads: list[str] = []
     real = _oom._read
 
-    def counting(path: str, kept: int | None = None) -> str:
+    def counting(path: str) -> str:
         reads.append(path)
-        return real(path, kept)
+        return real(path)
     monkeypatch.setattr(_oom, "_read", counting)
     return reads
 
@@ -609,98 +609,6 @@ def v1_cgroup() -> Iterator[Callable[..., Path]]:
     yield make
     for cg in reversed(made):
         _remove(cg)
-
-
-# The two files every launch reads are kept open (csrc/cgroupfs.c).  Each
-# step is a way a kept fd stops being the file it was opened as.
-KEPT_FILES = textwrap.dedent("""\
-    import json, os, sys, tempfile
-    from torchmp import _oom
-    cg, rel = sys.argv[1], sys.argv[2]
-
-    def kept():
-        # This process's fds on the two files: /proc/<pid>/cgroup, a counter.
-        found = {}
-        for name in os.listdir("/proc/self/fd"):
-            try:
-                target = os.readlink(f"/proc/self/fd/{name}")
-            except OSError:
-                continue
-            if target.endswith("/cgroup") or target.endswith("/memory.oom_control"):
-                found[int(name)] = target
-        return found
-
-    def look():
-        w = _oom.start_watch()
-        return {"cgroup": w.cgroup.path, "before": w.before, "kept": sorted(kept().values())}
-
-    out = {"first": look(), "again": look(), "pid": os.getpid()}
-    first_fds = kept()
-    out["same_fds"] = first_fds == kept()
-
-    # A forked child: the fds it inherits name its parent's /proc/<pid>.
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            with open(cg + "/cgroup.procs", "w") as f:
-                f.write(str(os.getpid()))
-            os.write(w, json.dumps(dict(look(), pid=os.getpid())).encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    out["child"] = json.loads(os.read(r, 65536))
-    os.close(r)
-    os.waitpid(pid, 0)
-    out["parent_after_fork"] = look()
-
-    # A program that closed the counter's fd and gave its number to a file
-    # of its own: that file is neither read nor closed.
-    counter_fd = next(fd for fd, t in kept().items() if t.endswith("memory.oom_control"))
-    decoy = tempfile.TemporaryFile()
-    decoy.write(b"oom_kill 999\\n")
-    decoy.flush()
-    os.dup2(decoy.fileno(), counter_fd)
-    out["after_reuse"] = look()
-    out["decoy_kept_open"] = os.pread(counter_fd, 64, 0) == b"oom_kill 999\\n"
-    os.close(counter_fd)
-
-    # The launcher moves to another cgroup: the old counter is let go.
-    with open(cg + "/cgroup.procs", "w") as f:
-        f.write(str(os.getpid()))
-    out["moved"] = look()
-    print(json.dumps(out))
-""")
-
-
-def test_kept_files_are_reopened_when_they_are_no_longer_this_process_cgroup_files(
-        v1_cgroup: Callable[..., Path], tmp_path: Path) -> None:
-    cg = v1_cgroup(1 << 40)
-    rel = "/" + cg.relative_to(V1_ROOT).as_posix()
-    with Launcher([sys.executable, "-c", KEPT_FILES, str(cg), rel], cwd=tmp_path) as launcher:
-        code, stdout, stderr = launcher.communicate(60)
-    assert code == 0, stderr
-    out = json.loads(stdout)
-    home = out["first"]["cgroup"]
-    assert home != rel
-    pid = out["pid"]
-    own = [f"/proc/{pid}/cgroup", f"{V1_ROOT}{home.rstrip('/')}/memory.oom_control"]
-    assert out["first"]["kept"] == out["again"]["kept"] == sorted(own)
-    assert out["same_fds"], "a second launch opened the files again"
-    child = out["child"]
-    # The child's own cgroup and counter, not its parent's; its inherited
-    # copies closed.
-    assert child["cgroup"] == rel and child["before"] == 0, child
-    assert child["kept"] == sorted([f"/proc/{child['pid']}/cgroup", f"{cg}/memory.oom_control"]), child
-    assert out["parent_after_fork"]["cgroup"] == home
-    assert out["parent_after_fork"]["kept"] == sorted(own)
-    # The decoy was not read (999) and is still open.
-    real = _oom.parse_oom_control(Path(own[1]).read_text())
-    assert out["after_reuse"]["before"] == real != 999
-    assert out["decoy_kept_open"]
-    moved = out["moved"]
-    assert moved["cgroup"] == rel and moved["before"] == 0
-    assert moved["kept"] == sorted([f"/proc/{pid}/cgroup", f"{cg}/memory.oom_control"]), moved
 
 
 # Runs inside the cgroup: a rank that SIGKILLs itself (not an OOM kill), then

@@ -46,14 +46,10 @@ the answer is then None.  Standard library only; cost per context: one read
 of /proc/self/cgroup and of the counter file at launch (the mount table is
 read once per process); at close, where a rank died of a SIGKILL torchmp
 did not send, the counter again, and the kernel's log (whole) only if the
-counter moved.  The two files read at every launch are kept open (two
-descriptors for the process's life, re-opened in a forked child and when
-the launcher moves to another cgroup) and re-read: opening them was most
-of the cost.
+counter moved.  No descriptor is held.
 """
 from __future__ import annotations
 
-import errno
 import os
 import re
 import time
@@ -239,16 +235,9 @@ def memory_cgroup_at_usual_mount(proc_cgroup: str) -> MemCgroup | None:
 
 # --- reading the system ---------------------------------------------------------
 
-def _read(path: str, kept: int | None = None) -> str:
+def _read(path: str) -> str:
     # Raw reads: every launch reads two of these small kernel files, and
-    # open()'s text layer costs several times the system calls.  Those two
-    # come through a kept-open slot (``kept``: _core.KEPT_*).
-    if kept is not None:
-        try:
-            return _core.read_kept(kept, path).decode("utf-8", "surrogateescape")
-        except OSError as e:
-            if e.errno != errno.EFBIG:
-                raise
+    # open()'s text layer costs several times the system calls.
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         chunks = []
@@ -285,7 +274,7 @@ def memory_cgroup(pid: int | str = "self") -> MemCgroup | None:
     """The memory cgroup of pid (or "self"), or None if it cannot be found."""
     global _resolved
     try:
-        text = _read("/proc/self/cgroup", _core.KEPT_PROC_CGROUP) if pid == "self" else _read(f"/proc/{pid}/cgroup")
+        text = _read(f"/proc/{pid}/cgroup")
         me = os.getpid()
         cached = _resolved
         if pid == "self" and cached is not None and cached[0] == me and cached[1] == text:
@@ -298,12 +287,10 @@ def memory_cgroup(pid: int | str = "self") -> MemCgroup | None:
         return None
 
 
-def read_oom_kills(cg: MemCgroup, kept: bool = False) -> int | None:
-    """The current oom_kill count of cg, or None if it cannot be read.
-    ``kept``: cg is this process's (from ``memory_cgroup("self")``), and its
-    file is read through the kept-open slot."""
+def read_oom_kills(cg: MemCgroup) -> int | None:
+    """The current oom_kill count of cg, or None if it cannot be read."""
     try:
-        text = _read(cg.counter_file, _core.KEPT_OOM_COUNTER if kept else None)
+        text = _read(cg.counter_file)
     except (OSError, ValueError):
         return None
     return parse_memory_events(text) if cg.version == 2 else parse_oom_control(text)
@@ -553,7 +540,7 @@ def start_watch() -> OomWatch | None:
         cg = memory_cgroup("self")
         if cg is None:
             return None
-        before = read_oom_kills(cg, kept=True)
+        before = read_oom_kills(cg)
         return None if before is None else OomWatch(cg, before)
     except (OSError, ValueError):
         return None
