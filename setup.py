@@ -12,11 +12,13 @@ There is no pure-Python fallback: if the extension cannot be built, the
 install fails.
 """
 import os
+import platform
 import re
 import sys
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.errors import CompileError, LinkError
 
 try:
     from Cython.Build import cythonize
@@ -83,6 +85,17 @@ C_SOURCES = [
 # its keeper.
 KEEPER_SOURCES = ["csrc/keeper_main.c", "csrc/keeper_watch.c"]
 BUILD_KEEPER = sys.platform.startswith("linux") and not PORTABLE
+# On x86-64 without a C library (csrc/keeper_sys.h): a launcher's first
+# launch waits for the program's start, which the dynamic loader made ~0.6 ms
+# longer.  Not under the sanitizers or gcov, which need their runtimes.
+KEEPER_WITHOUT_LIBC = BUILD_KEEPER and platform.machine() in ("x86_64", "AMD64") and not (SANITIZE or COVERAGE)
+KEEPER_WITHOUT_LIBC_FLAGS = {
+    "compile": ["-DTORCHMP_KEEPER_FREESTANDING=1", "-ffreestanding", "-fno-stack-protector", "-fno-builtin",
+                "-fno-pie", "-fno-asynchronous-unwind-tables"],
+    "link": ["-nostdlib", "-nostartfiles", "-static", "-no-pie"],
+}
+if KEEPER_WITHOUT_LIBC:
+    define_macros.append(("TORCHMP_KEEPER_WITHOUT_LIBC", "1"))
 
 
 class BuildExtAndKeeper(build_ext):
@@ -97,13 +110,27 @@ class BuildExtAndKeeper(build_ext):
     def build_keeper(self):
         out_dir = os.path.dirname(self.get_ext_fullpath("torchmp._core"))
         target = os.path.join(out_dir, "_keeper")
-        newest = max(os.path.getmtime(os.path.join(HERE, f)) for f in KEEPER_SOURCES + ["csrc/torchmp.h"])
+        inputs = KEEPER_SOURCES + ["csrc/torchmp.h", "csrc/keeper_sys.h"]
+        newest = max(os.path.getmtime(os.path.join(HERE, f)) for f in inputs)
         if not self.force and os.path.exists(target) and os.path.getmtime(target) >= newest:
             return
+        if KEEPER_WITHOUT_LIBC:
+            try:
+                self._link_keeper(out_dir, "keeper-nolibc", compile_args + KEEPER_WITHOUT_LIBC_FLAGS["compile"],
+                                  link_args + KEEPER_WITHOUT_LIBC_FLAGS["link"])
+                return
+            except (CompileError, LinkError) as e:
+                # A tool chain that cannot: the C library's keeper works the
+                # same, only its start is slower (tests/test_process_safety.py
+                # says so in this project's CI).
+                self.warn(f"torchmp/_keeper without a C library failed ({e}); building it with one")
+        self._link_keeper(out_dir, "keeper", compile_args, link_args)
+
+    def _link_keeper(self, out_dir, temp_name, compile_flags, link_flags):
         objects = self.compiler.compile(
-            KEEPER_SOURCES, output_dir=os.path.join(self.build_temp, "keeper"), macros=define_macros + [(m,) for m in undef_macros],
-            include_dirs=["csrc"], extra_postargs=compile_args)
-        self.compiler.link_executable(objects, "_keeper", output_dir=out_dir, extra_postargs=link_args)
+            KEEPER_SOURCES, output_dir=os.path.join(self.build_temp, temp_name),
+            macros=define_macros + [(m,) for m in undef_macros], include_dirs=["csrc"], extra_postargs=compile_flags)
+        self.compiler.link_executable(objects, "_keeper", output_dir=out_dir, extra_postargs=link_flags)
 
 
 extension = Extension(
@@ -114,7 +141,7 @@ extension = Extension(
     undef_macros=undef_macros,
     extra_compile_args=compile_args,
     extra_link_args=link_args,
-    depends=["csrc/torchmp.h", "csrc/command.h", "csrc/loop_internal.h", "csrc/console_internal.h",
+    depends=["csrc/torchmp.h", "csrc/keeper_sys.h", "csrc/command.h", "csrc/loop_internal.h", "csrc/console_internal.h",
              "csrc/ctorchmp.pxd", "csrc/signal_wake.pxi", "csrc/specs.pxi", "csrc/group.pxi", "csrc/fork.pxi",
              "csrc/command.pxi"]
     + C_SOURCES,

@@ -69,17 +69,26 @@ cdef extern from *:
     #else
     #define TORCHMP_FOLLOW_BUILD 0
     #endif
+    #ifdef TORCHMP_KEEPER_WITHOUT_LIBC
+    #define TORCHMP_KEEPER_WITHOUT_LIBC_BUILD 1
+    #else
+    #define TORCHMP_KEEPER_WITHOUT_LIBC_BUILD 0
+    #endif
     """
     const char *TORCHMP_VERSION
     int TORCHMP_PORTABLE_BUILD
     int TORCHMP_BINDING_BUILD
     int TORCHMP_FOLLOW_BUILD
+    int TORCHMP_KEEPER_WITHOUT_LIBC_BUILD
 
 __version__ = TORCHMP_VERSION.decode()
 # Whether collect_exit() reads a zombie's rusage without reaping it (Linux's
 # waitid system call); elsewhere rusage comes only with the reap.
 COLLECT_HAS_RUSAGE = not TORCHMP_PORTABLE_BUILD
 PORTABLE_BUILD = bool(TORCHMP_PORTABLE_BUILD)
+# Whether torchmp/_keeper was meant to be built without a C library
+# (setup.py: x86-64 Linux, not under the sanitizers or gcov).
+KEEPER_WITHOUT_LIBC = bool(TORCHMP_KEEPER_WITHOUT_LIBC_BUILD)
 # Whether a worker can be bound to CPUs / memory nodes (Binding).
 HAVE_BINDING = bool(TORCHMP_BINDING_BUILD)
 # Whether a teed stream's log can be followed (StreamSpec.follow_log: one

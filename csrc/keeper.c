@@ -17,7 +17,8 @@
  * still in the table and exits.
  *
  * How it starts: exec'd from the small torchmp/_keeper program
- * (keeper_main.c), with the table in a memfd both map.  A fork of the
+ * (keeper_main.c; on x86-64 without a C library, keeper_sys.h), with the
+ * table in a memfd both map.  A fork of the
  * launcher would copy its page tables: milliseconds of the launcher's own CPU
  * on its first launch, more with torch imported.  Where that program cannot
  * be run (not built: the portable build; a file system mounted noexec; no

@@ -10,31 +10,30 @@
  * is nobody's child but pid 1's (or the nearest subreaper's), writes the
  * keeper's pid into slot 0 and exits: 0 once the keeper runs, 1 if anything
  * failed (the launcher then forks a keeper of its own).
+ *
+ * On x86-64 Linux it is built without a C library (keeper_sys.h says why),
+ * with its own entry point.
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
 #include "torchmp.h"
+#include "keeper_sys.h"
 
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
-int main(void)
+/* The middle's work; its exit status. */
+static int keeper_middle(void)
 {
-    struct stat st;
     int32_t *table;
-    pid_t keeper;
+    long keeper;
 
     /* Started by something other than torchmp: nothing to watch. */
-    if (fstat(TORCHMP_KEEPER_PIPE_FD, &st) != 0 || !S_ISFIFO(st.st_mode) ||
-        fstat(TORCHMP_KEEPER_TABLE_FD, &st) != 0 || (size_t)st.st_size != TORCHMP_KEEPER_TABLE_BYTES)
+    if (!ks_is_pipe(TORCHMP_KEEPER_PIPE_FD) || ks_fd_size(TORCHMP_KEEPER_TABLE_FD) != (long)TORCHMP_KEEPER_TABLE_BYTES)
         return 2;
-    table = mmap(NULL, TORCHMP_KEEPER_TABLE_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, TORCHMP_KEEPER_TABLE_FD, 0);
-    if (table == MAP_FAILED)
+    table = ks_map_shared(TORCHMP_KEEPER_TABLE_FD, TORCHMP_KEEPER_TABLE_BYTES);
+    if (table == NULL)
         return 1;
-    (void)close(TORCHMP_KEEPER_TABLE_FD); /* the mapping stays */
-    keeper = fork();
+    (void)ks_close(TORCHMP_KEEPER_TABLE_FD); /* the mapping stays */
+    keeper = ks_fork();
     if (keeper == 0)
         torchmp_keeper_watch(TORCHMP_KEEPER_PIPE_FD, table);
     if (keeper < 0)
@@ -42,3 +41,24 @@ int main(void)
     __atomic_store_n(&table[0], (int32_t)keeper, __ATOMIC_RELEASE);
     return 0;
 }
+
+#ifdef TORCHMP_KEEPER_FREESTANDING
+/* No C library: the entry point is ours.  (Nothing here makes the compiler
+ * call memset or memcpy on its own; if it ever does, the link fails and
+ * setup.py builds the program with the C library instead.) */
+__attribute__((noreturn, used)) void torchmp_keeper_entry(void);
+__attribute__((noreturn, used)) void torchmp_keeper_entry(void) { ks_exit(keeper_middle()); }
+
+/* The kernel enters with the stack pointer 16-byte aligned; the call pushes
+ * the return address, as the ABI expects at a function's entry. */
+__asm__(".text\n"
+        ".globl _start\n"
+        ".type _start, @function\n"
+        "_start:\n"
+        "    xor %ebp, %ebp\n"
+        "    and $-16, %rsp\n"
+        "    call torchmp_keeper_entry\n"
+        "    hlt\n");
+#else
+int main(void) { return keeper_middle(); }
+#endif

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -609,6 +610,39 @@ def test_keeper_is_no_child_of_the_launcher_and_exits_with_it(launcher, tmp_path
         assert wait_gone([keeper], 2.0) == []
     finally:
         run.stop()
+
+
+def _elf_segment_types(path: Path) -> set[int]:
+    """The p_type of every program header of a 64-bit little-endian ELF file."""
+    data = path.read_bytes()
+    assert data[:4] == b"\x7fELF" and data[4] == 2 and data[5] == 1, "not a 64-bit little-endian ELF file"
+    phoff, = struct.unpack_from("<Q", data, 0x20)
+    phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
+    return {struct.unpack_from("<I", data, phoff + i * phentsize)[0] for i in range(phnum)}
+
+
+PT_DYNAMIC, PT_INTERP = 2, 3
+
+
+@pytest.mark.skipif(not _core.KEEPER_WITHOUT_LIBC,
+                    reason="the keeper's program is built with the C library here (not x86-64, or a "
+                           "sanitizer or gcov build)")
+def test_the_keepers_program_starts_without_a_loader_or_a_c_library(tmp_path):
+    # A launcher's first launch waits for this program to start, fork the
+    # keeper and exit: dynamically linked, the loader's work (mapping libc,
+    # glibc's probing of the CPU's caches) was most of that wait.
+    program = Path(_core.__file__).with_name("_keeper")
+    types = _elf_segment_types(program)
+    assert PT_INTERP not in types and PT_DYNAMIC not in types, types
+    # Started by anything but a launcher, it does nothing: 2, and no keeper
+    # (fd 3 is no pipe, or fd 4 is not a table).
+    table = tmp_path / "table"
+    table.write_bytes(bytes(4 * 65536))
+    for redirections in ("", f'3</dev/null 4<>"{table}"', f'3<>"{table}" 4<>"{table}"'):
+        before = set(psutil.pids())
+        rc = subprocess.run(["sh", "-c", f'exec "$0" {redirections}', str(program)], timeout=10).returncode
+        assert rc == 2, redirections
+        assert not [p for p in set(psutil.pids()) - before if _name(p) == "torchmp-keeper"], redirections
 
 
 @pytest.mark.skipif(_core.PORTABLE_BUILD, reason="the portable build forks its keeper")

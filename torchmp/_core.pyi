@@ -289,6 +289,7 @@ def start_command(
 # forkserver writes, the keeper's and the subreaper's state.
 
 PORTABLE_BUILD: Final[bool]
+KEEPER_WITHOUT_LIBC: Final[bool]
 STEP_EXEC: Final[int]
 STEP_AFFINITY: Final[int]
 STEP_MEMPOLICY: Final[int]
