@@ -368,12 +368,7 @@ static torchmp_loop *loop_create(void)
     /* Before the I/O thread exists: one thread fewer to fork.  Without a
      * keeper (fork failed) workers still die with the launcher by PDEATHSIG;
      * only their own children would be left. */
-    (void)torchmp_keeper_start();
-    /* Ready before the first rank: a context's launcher may only ever poll
-     * (wait(0)), and nothing else would learn that the start failed.  (Left
-     * to finish while the first ranks start, as torchmp.run's command does,
-     * it made 4 redirected ranks of `cat` 3-5 % slower to finish here.) */
-    torchmp_keeper_settle(1);
+    (void)torchmp_keeper_start(); /* settled below, once the I/O thread runs */
     torchmp_procscan_init();
     if (torchmp_loop_notify_open(&L->wake_r, &L->wake_w) != 0)
         goto fail;
@@ -410,6 +405,13 @@ static torchmp_loop *loop_create(void)
     pthread_setname_np(L->thread, "torchmp-io");
 #endif
     pthread_detach(L->thread);
+    /* Ready before the first rank: a context's launcher may only ever poll
+     * (wait(0)), and nothing else would learn that the start failed.  The
+     * keeper's program started above while this thread made the loop.
+     * (Left to finish while the first ranks start, as torchmp.run's command
+     * does, it made 4 redirected ranks of `cat` 3-5 % slower to finish here,
+     * when the program was linked with the C library.) */
+    torchmp_keeper_settle(1);
     return L;
 
 fail_sync:

@@ -676,6 +676,33 @@ def test_first_command_starts_while_its_keeper_is_still_starting(launcher, tmp_p
     assert wait_gone([int(keeper)], 5.0) == []  # the launcher has exited: so has its keeper
 
 
+
+@pytest.mark.skipif(_core.PORTABLE_BUILD, reason="the portable build forks its keeper")
+def test_a_contexts_first_rank_starts_once_its_keeper_runs(launcher, tmp_path):
+    # Unlike torchmp.run's first command, a context's first rank waits for
+    # the keeper (its launcher may only ever poll, and nothing else would
+    # learn that the keeper's start failed).  This program takes 0.3 s to
+    # start the real keeper and marks when it does: the rank must see the mark.
+    real = Path(_core.__file__).with_name("_keeper").resolve()
+    mark = tmp_path / "keeper-started"
+    helper = tmp_path / "keeper"
+    helper.write_text(f'#!/bin/sh\nsleep 0.3\n: > "{mark}"\nexec "{real}"\n')
+    helper.chmod(0o755)
+    run = launcher("""
+        import sys
+        import torchmp
+        from torchmp import _core
+        ctx = torchmp.start_processes("k", "sh", {0: ("-c", f'test -e "{sys.argv[1]}" && echo kept || echo early')},
+                                      {0: {}}, torchmp.DefaultLogsSpecs(log_dir=sys.argv[2], redirects=torchmp.Std.OUT))
+        result = ctx.wait(30)
+        ctx.close()
+        print(open(result.stdouts[0]).read().strip(), _core.keeper_pid() > 0, flush=True)
+    """, str(mark), str(tmp_path / "logs"), env={"TORCHMP_KEEPER_HELPER": str(helper)})
+    rc, out, err = run.communicate(60)
+    assert rc == 0, err
+    assert out.split() == ["kept", "True"], (out, err)
+
+
 # ---------------------------------------------------------------------------
 # 6. Smaller defects.
 
