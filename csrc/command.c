@@ -257,7 +257,7 @@ torchmp_command *torchmp_command_start(const torchmp_command_spec *spec, torchmp
     int pipes[2][2] = {{-1, -1}, {-1, -1}};
     sigset_t all, old;
     pid_t pid = -1;
-    int rc, saved;
+    int rc, saved, slot;
 
     err->step = TORCHMP_STEP_NONE;
     err->errnum = 0;
@@ -306,6 +306,9 @@ torchmp_command *torchmp_command_start(const torchmp_command_spec *spec, torchmp
 #endif
     a.scan_signals = 1;
 
+    slot = torchmp_keeper_reserve(); /* filled by the child (spawn.c) */
+    a.keeper_slot = torchmp_keeper_slot_addr(slot);
+
     /* A vfork child shares this thread's memory: no handler may run in it
      * before exec, so every signal is held across the spawn. */
     sigfillset(&all);
@@ -315,10 +318,13 @@ torchmp_command *torchmp_command_start(const torchmp_command_spec *spec, torchmp
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     for (int w = 0; w < 2; w++)
         close_fd(&pipes[w][1]);
-    if (rc != 0)
+    if (rc != 0) {
+        torchmp_keeper_remove(slot); /* the child, if any, is reaped */
         goto fail_spawned;
+    }
     c->pid = pid;
-    c->keeper_slot = torchmp_keeper_add(pid);
+    torchmp_keeper_fill(slot, pid);
+    c->keeper_slot = slot;
     for (int w = 0; w < 2; w++)
         c->fd[w] = pipes[w][0];
     return c;

@@ -370,10 +370,10 @@ pid_t torchmp_keeper_pid(void)
 /* Any thread may add and remove (the I/O thread for ranks, callers of
  * torchmp.run for their commands): a slot is claimed with a compare-and-swap,
  * and the search hint is only a hint. */
-int torchmp_keeper_add(pid_t pgid)
+static int keeper_claim(int32_t value)
 {
     int hint;
-    if (keeper_table == NULL || keeper_owner != torchmp_self_pid() || pgid <= 1)
+    if (keeper_table == NULL || keeper_owner != torchmp_self_pid())
         return 0;
     hint = __atomic_load_n(&keeper_hint, __ATOMIC_RELAXED);
     for (int n = 0; n < KEEPER_SLOTS - 1; n++) {
@@ -381,13 +381,39 @@ int torchmp_keeper_add(pid_t pgid)
         int32_t free_slot = 0;
         if (i >= KEEPER_SLOTS)
             i -= KEEPER_SLOTS - 1;
-        if (__atomic_compare_exchange_n(&keeper_table[i], &free_slot, (int32_t)pgid, 0, __ATOMIC_ACQ_REL,
+        if (__atomic_compare_exchange_n(&keeper_table[i], &free_slot, value, 0, __ATOMIC_ACQ_REL,
                                         __ATOMIC_RELAXED)) {
             __atomic_store_n(&keeper_hint, i + 1 < KEEPER_SLOTS ? i + 1 : 1, __ATOMIC_RELAXED);
             return i;
         }
     }
     return 0; /* full: this group is covered by PDEATHSIG on its leader only */
+}
+
+int torchmp_keeper_add(pid_t pgid)
+{
+    return pgid > 1 ? keeper_claim((int32_t)pgid) : 0;
+}
+
+/* Taken, holding 1 (which the keeper skips: no group has that id) until the
+ * child writes its pid there. */
+int torchmp_keeper_reserve(void)
+{
+    return keeper_claim(1);
+}
+
+int32_t *torchmp_keeper_slot_addr(int slot)
+{
+    if (keeper_table == NULL || keeper_owner != torchmp_self_pid() || slot <= 0 || slot >= KEEPER_SLOTS)
+        return NULL;
+    return &keeper_table[slot];
+}
+
+void torchmp_keeper_fill(int slot, pid_t pgid)
+{
+    int32_t *at = torchmp_keeper_slot_addr(slot);
+    if (at != NULL && pgid > 1)
+        __atomic_store_n(at, (int32_t)pgid, __ATOMIC_RELEASE);
 }
 
 void torchmp_keeper_remove(int slot)

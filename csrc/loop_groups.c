@@ -70,7 +70,7 @@ static int do_spawn_one(torchmp_loop *L, torchmp_group *g, int rank, torchmp_ran
     torchmp_spawn_args a = spec->args;
     pid_t pid;
     int64_t start;
-    int rc;
+    int rc, slot;
 
     if (p->info.state != TORCHMP_PROC_UNSTARTED) {
         err->step = TORCHMP_STEP_FORK;
@@ -88,25 +88,36 @@ static int do_spawn_one(torchmp_loop *L, torchmp_group *g, int rank, torchmp_ran
     a.pdeathsig = 0;
 #endif
 
+    /* Filled by the child before exec (spawn.c), confirmed by
+     * proc_mark_running. */
+    slot = torchmp_keeper_reserve();
+    a.keeper_slot = torchmp_keeper_slot_addr(slot);
+
     start = clock_ns(CLOCK_MONOTONIC);
     rc = torchmp_spawn(&a, &pid, err);
     torchmp_rank_close_worker_fds(spec, a.child_fds);
     if (rc != 0) {
+        torchmp_keeper_remove(slot);
         torchmp_loop_rank_streams_abort(L, p);
         return -1;
     }
+    p->keeper_slot = slot;
 #ifdef TORCHMP_HAVE_PIDFD
     if (here) {
-        if (torchmp_loop_rank_adopt_here(L, p, pid, start, err) != 0) {
+        rc = torchmp_loop_rank_adopt_here(L, p, pid, start, err);
+        if (rc != 0)
             torchmp_loop_rank_streams_abort(L, p);
-            return -1;
-        }
-        return 0;
-    }
+    } else
 #else
     (void)here;
 #endif
-    return torchmp_loop_rank_adopt(L, p, pid, 0, start, err);
+        rc = torchmp_loop_rank_adopt(L, p, pid, 0, start, err);
+    if (rc != 0 && p->keeper_slot > 0) {
+        /* Not watched (killed and reaped): its group is gone. */
+        torchmp_keeper_remove(p->keeper_slot);
+        p->keeper_slot = 0;
+    }
+    return rc;
 }
 
 static void group_link(torchmp_loop *L, torchmp_group *g)

@@ -228,6 +228,11 @@ int torchmp_child_setup(const torchmp_spawn_args *a, int keep_fd, int close_othe
 
     if (setsid() < 0)
         return TORCHMP_STEP_SETSID;
+    /* Our group in the keeper's table from now on: a launcher killed before
+     * it learns our pid still takes the group -- and whatever we start --
+     * with it.  (An atomic store to the shared table: async-signal-safe.) */
+    if (a->keeper_slot != NULL)
+        __atomic_store_n(a->keeper_slot, (int32_t)getpid(), __ATOMIC_RELEASE);
 
 #ifdef TORCHMP_HAVE_PDEATHSIG
     if (a->pdeathsig > 0) {
