@@ -8,10 +8,13 @@
  * launcher is SIGKILLed or crashes.  Nothing inside a dead process can act,
  * so one process per launcher watches it from outside.
  *
- * How: the launcher and the keeper share one anonymous MAP_SHARED table of
- * process-group ids (the launcher's I/O thread adds a rank's group when it
- * starts watching the rank and removes it once torchmp has sent that group
- * its last signal and reaped its leader).  The keeper holds the read end of
+ * How: the launcher and the keeper share one MAP_SHARED table of
+ * process-group ids.  A spawned rank's or command's group is in it from the
+ * child's setsid() on: the launcher reserves a slot before the spawn and the
+ * child writes its pid there before exec (spawn.c), so a launcher killed
+ * before it learns the pid still takes the group with it.  Forked and
+ * forkserver workers are added once they are watched.  A group leaves the
+ * table once torchmp has sent it its last signal and reaped its leader.  The keeper holds the read end of
  * a pipe whose only write end is the launcher's; the pipe's EOF is the
  * launcher's death, however it died.  The keeper then SIGKILLs every group
  * still in the table and exits.
