@@ -306,24 +306,18 @@ torchmp_command *torchmp_command_start(const torchmp_command_spec *spec, torchmp
 #endif
     a.scan_signals = 1;
 
-    slot = torchmp_keeper_reserve(); /* filled by the child (spawn.c) */
-    a.keeper_slot = torchmp_keeper_slot_addr(slot);
-
     /* A vfork child shares this thread's memory: no handler may run in it
      * before exec, so every signal is held across the spawn. */
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);
     c->start_ns = clock_ns(CLOCK_MONOTONIC);
-    rc = torchmp_spawn(&a, &pid, err);
+    rc = torchmp_keeper_spawn(&a, &pid, &slot, err);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     for (int w = 0; w < 2; w++)
         close_fd(&pipes[w][1]);
-    if (rc != 0) {
-        torchmp_keeper_remove(slot); /* the child, if any, is reaped */
+    if (rc != 0)
         goto fail_spawned;
-    }
     c->pid = pid;
-    torchmp_keeper_fill(slot, pid);
     c->keeper_slot = slot;
     for (int w = 0; w < 2; w++)
         c->fd[w] = pipes[w][0];

@@ -10,14 +10,14 @@
  *
  * How: the launcher and the keeper share one MAP_SHARED table of
  * process-group ids.  A spawned rank's or command's group is in it from the
- * child's setsid() on: the launcher reserves a slot before the spawn and the
- * child writes its pid there before exec (spawn.c), so a launcher killed
- * before it learns the pid still takes the group with it.  Forked and
+ * child's setsid() on: torchmp_keeper_spawn reserves a slot before the spawn
+ * and the child writes its pid there before exec (spawn.c), so a launcher
+ * killed before it learns the pid still takes the group with it.  Forked and
  * forkserver workers are added once they are watched.  A group leaves the
- * table once torchmp has sent it its last signal and reaped its leader.  The keeper holds the read end of
- * a pipe whose only write end is the launcher's; the pipe's EOF is the
- * launcher's death, however it died.  The keeper then SIGKILLs every group
- * still in the table and exits.
+ * table once torchmp has sent it its last signal and reaped its leader.  The
+ * keeper holds the read end of a pipe whose only write end is the
+ * launcher's; the pipe's EOF is the launcher's death, however it died.  The
+ * keeper then SIGKILLs every group still in the table and exits.
  *
  * How it starts: exec'd from the small torchmp/_keeper program
  * (keeper_main.c; on x86-64 without a C library, keeper_sys.h), with the
@@ -400,23 +400,45 @@ int torchmp_keeper_add(pid_t pgid)
 
 /* Taken, holding 1 (which the keeper skips: no group has that id) until the
  * child writes its pid there. */
-int torchmp_keeper_reserve(void)
+static int keeper_reserve(void)
 {
     return keeper_claim(1);
 }
 
-int32_t *torchmp_keeper_slot_addr(int slot)
+static int32_t *keeper_slot_addr(int slot)
 {
     if (keeper_table == NULL || keeper_owner != torchmp_self_pid() || slot <= 0 || slot >= KEEPER_SLOTS)
         return NULL;
     return &keeper_table[slot];
 }
 
-void torchmp_keeper_fill(int slot, pid_t pgid)
+static void keeper_fill(int slot, pid_t pgid)
 {
-    int32_t *at = torchmp_keeper_slot_addr(slot);
+    int32_t *at = keeper_slot_addr(slot);
     if (at != NULL && pgid > 1)
         __atomic_store_n(at, (int32_t)pgid, __ATOMIC_RELEASE);
+}
+
+/* The one owner of a slot across a spawn: reserved before it, its address
+ * handed to the child (which writes its pid there right after setsid(),
+ * spawn.c), filled again once the spawn returned, freed if it failed (the
+ * child, if any, has been reaped by then). */
+int torchmp_keeper_spawn(torchmp_spawn_args *a, pid_t *pid_out, int *slot_out, torchmp_spawn_error *err)
+{
+    int slot = keeper_reserve();
+    int rc;
+
+    a->keeper_slot = keeper_slot_addr(slot);
+    rc = torchmp_spawn(a, pid_out, err);
+    a->keeper_slot = NULL;
+    if (rc != 0) {
+        torchmp_keeper_remove(slot);
+        slot = 0;
+    } else {
+        keeper_fill(slot, *pid_out);
+    }
+    *slot_out = slot;
+    return rc;
 }
 
 void torchmp_keeper_remove(int slot)

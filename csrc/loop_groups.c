@@ -88,16 +88,10 @@ static int do_spawn_one(torchmp_loop *L, torchmp_group *g, int rank, torchmp_ran
     a.pdeathsig = 0;
 #endif
 
-    /* Filled by the child before exec (spawn.c), confirmed by
-     * proc_mark_running. */
-    slot = torchmp_keeper_reserve();
-    a.keeper_slot = torchmp_keeper_slot_addr(slot);
-
     start = clock_ns(CLOCK_MONOTONIC);
-    rc = torchmp_spawn(&a, &pid, err);
+    rc = torchmp_keeper_spawn(&a, &pid, &slot, err);
     torchmp_rank_close_worker_fds(spec, a.child_fds);
     if (rc != 0) {
-        torchmp_keeper_remove(slot);
         torchmp_loop_rank_streams_abort(L, p);
         return -1;
     }

@@ -267,9 +267,7 @@ static void proc_mark_running(torchmp_loop *L, torchmp_proc *p, pid_t pid, int64
     p->info.pid = pid;
     p->info.state = TORCHMP_PROC_RUNNING;
     p->info.start_mono_ns = start;
-    if (p->keeper_slot > 0)
-        torchmp_keeper_fill(p->keeper_slot, pid); /* reserved before its spawn (do_spawn_one) */
-    else
+    if (p->keeper_slot == 0) /* a spawned rank's is filled already (torchmp_keeper_spawn) */
         p->keeper_slot = torchmp_keeper_add(pid);
     pthread_mutex_unlock(&L->mu);
     __atomic_add_fetch(&p->group->running, 1, __ATOMIC_ACQ_REL);

@@ -142,7 +142,7 @@ typedef struct {
     long max_fd;               /* bound for the brute-force close fallback */
     torchmp_binding binding;   /* CPU affinity / memory policy; zeroed: inherited */
     /* The keeper's table slot reserved for this worker's group
-     * (torchmp_keeper_reserve): the child writes its pid there before exec,
+     * (torchmp_keeper_spawn): the child writes its pid there before exec,
      * so the group is covered from before it can have a second process.
      * NULL: none. */
     int32_t *keeper_slot;
@@ -637,13 +637,11 @@ pid_t torchmp_keeper_pid(void);          /* 0 if none; settles the start first *
  * it), forking a keeper if it left none.  Any thread; keeps errno. */
 void torchmp_keeper_settle(int block);
 int torchmp_keeper_add(pid_t pgid);      /* a slot (0: not covered); any thread */
-/* A slot for a group not spawned yet (0: none): its address goes to the
- * child (torchmp_spawn_args.keeper_slot, NULL for slot 0), which fills it;
- * the parent fills it too once the spawn returned, or removes it if the
- * spawn failed. */
-int torchmp_keeper_reserve(void);
-int32_t *torchmp_keeper_slot_addr(int slot);
-void torchmp_keeper_fill(int slot, pid_t pgid);
+/* torchmp_spawn with the child's group in the keeper's table from its
+ * setsid() on (the child writes its pid into a slot reserved for it).
+ * *slot_out: that slot once the spawn succeeded, 0 if not covered (table
+ * full, no keeper) or the spawn failed. */
+int torchmp_keeper_spawn(torchmp_spawn_args *a, pid_t *pid_out, int *slot_out, torchmp_spawn_error *err);
 void torchmp_keeper_remove(int slot);
 /* keeper_watch.c: the keeper's whole life, in a process of its own: waits
  * for the EOF on read_fd, SIGKILLs every group in table, _exits.
