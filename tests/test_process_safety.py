@@ -326,7 +326,7 @@ INTERRUPT_SCRIPT = """
     import os, random, signal, subprocess, sys, time
     import psutil
     import torchmp
-    from torchmp import api, DefaultLogsSpecs, SignalException
+    from torchmp import DefaultLogsSpecs, SignalException, _orphans
 
     method, runs, nprocs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     launches = iter(range(1_000_000))
@@ -399,7 +399,7 @@ INTERRUPT_SCRIPT = """
         killer.stdout.readline()  # it sent this run's one signal
         # Whatever a context knows about is closed; anything alive after
         # that is a worker nobody tracks.
-        for known in [ctx, *getattr(api, "_live_contexts", ())]:
+        for known in [ctx, *_orphans.live_contexts()]:
             if known is not None:
                 known.close(signal.SIGKILL, 5)
         strays = living_children()

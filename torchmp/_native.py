@@ -11,7 +11,6 @@ import os
 import signal
 import threading
 import time
-import weakref
 from collections.abc import Callable, Generator, Mapping, Sized
 from typing import Any, cast
 
@@ -109,7 +108,6 @@ class _NativeContext(PContext):
         self._oom_suspects = False
         # Hands the group to torchmp._orphans if the program drops this
         # context without closing it.
-        self._on_drop: weakref.finalize[Any, Any] | None = None
 
     @property
     def bindings(self) -> dict[int, _core.Binding]:
@@ -248,8 +246,7 @@ class _NativeContext(PContext):
                 self._forwarder = _console.Forwarder(objects)
                 _console.track(self._forwarder)
             self._group = _core.Group(self.nprocs, filtered[0][0], filtered[0][1], filtered[1][0], filtered[1][1])
-            _live_contexts.add(self)
-            self._on_drop = _orphans.watch(self, self.name, self._group, self._launcher, self._forwarder)
+            _orphans.watch(self, self.name, self._group, self._launcher, self._forwarder)
             # From before any rank runs: what the OOM killer did meanwhile,
             # for a later SIGKILL that torchmp did not send.
             self._oom_watch = _oom.start_watch()
@@ -576,9 +573,7 @@ class _NativeContext(PContext):
         # Closed before the release: an interrupt landing in between must not
         # make a retried close() use a released group.
         self._closed = True
-        _live_contexts.discard(self)
-        if self._on_drop is not None:
-            self._on_drop.detach()
+        _orphans.forget(self)
         group.release()
 
     def _keep_tails(self, group: _core.Group, ranks: list[_core.ProcInfo]) -> None:
@@ -660,19 +655,17 @@ class _NativeContext(PContext):
         return ages
 
 
-# Contexts started and not closed yet: closed the normal way (death signal,
-# grace period, SIGKILL) if the launcher exits without closing them.  Weak
-# references: a context the program dropped becomes an orphan
-# (torchmp._orphans), reaped at the next launch once its ranks are gone, and
-# stopped at exit like these if they still run.
-_live_contexts: weakref.WeakSet[_NativeContext] = weakref.WeakSet()
-
 # The grace period those contexts get at exit, as close()'s default.
 EXIT_CLOSE_TIMEOUT = SHUTDOWN_GRACE_SECONDS
 
 
 def _close_live_contexts_at_exit() -> None:
-    for ctx in list(_live_contexts):
+    """Contexts started and not closed yet are closed the normal way (death
+    signal, grace period, SIGKILL) if the launcher exits without closing
+    them; a context the program dropped became an orphan (torchmp._orphans),
+    reaped at the next launch once its ranks are gone, and is stopped here
+    like these if it still runs."""
+    for ctx in _orphans.live_contexts():
         try:
             close_despite_interrupts(ctx, signal.SIGTERM, EXIT_CLOSE_TIMEOUT)
         except Exception as e:  # pragma: no cover - keep closing the others
@@ -683,5 +676,4 @@ def _close_live_contexts_at_exit() -> None:
 atexit.register(_close_live_contexts_at_exit)
 # A forked child has no contexts of its own to close at its exit: its
 # parent's are its parent's.
-os.register_at_fork(after_in_child=_live_contexts.clear)
 os.register_at_fork(after_in_child=_orphans.forget_after_fork)

@@ -1,14 +1,17 @@
-"""Contexts the program dropped without ``wait()`` or ``close()``.
+"""Contexts started and not closed yet, and those the program dropped
+without ``wait()`` or ``close()``.
 
-A context pins its ranks' pids until ``close()`` (their zombies stay, so that
-no signal of the context can reach a process that reused a pid).  Once the
-context is unreachable nothing can signal through it any more, so its native
-group becomes an :class:`Orphan` (a ``weakref.finalize`` on the context, which
-holds the group, not the context).  An orphan whose ranks have all exited,
-leaving nothing in their process groups, is reaped and released at the next
-launch, so dropped contexts do not pile up zombies (torch's reap at its next
-launch too).  Whatever still runs at interpreter exit is stopped the way
-``close()`` stops it (death signal, grace, SIGKILL), as it was before.
+A live context is closed the normal way if the launcher exits without
+closing it (``live_contexts``).  A context pins its ranks' pids until
+``close()`` (their zombies stay, so that no signal of the context can reach a
+process that reused a pid).  Once the context is unreachable nothing can
+signal through it any more, so its native group becomes an :class:`Orphan`
+(the callback of a weak reference to the context, which holds the group, not
+the context).  An orphan whose ranks have all exited, leaving nothing in
+their process groups, is reaped and released at the next launch, so dropped
+contexts do not pile up zombies (torch's reap at its next launch too).
+Whatever still runs at interpreter exit is stopped the way ``close()`` stops
+it (death signal, grace, SIGKILL), as it was before.
 """
 
 from __future__ import annotations
@@ -78,17 +81,39 @@ _orphans: list[Orphan] = []
 _reaping = threading.Lock()
 
 
-def _dropped(orphan: Orphan) -> None:
-    _orphans.append(orphan)
+# Contexts started and not closed yet, by id(): a weak reference each, whose
+# callback makes the context's group an orphan if the context becomes
+# garbage first.  forget() drops the reference, and with it the callback.
+# One registry for both questions (which contexts to close at exit, which
+# groups were dropped): they are the same set of contexts.
+_live: dict[int, weakref.ref[Any]] = {}
 
 
-def watch(context: Any, name: str, group: _core.Group, launcher: Launch,
-          forwarder: Forwarder | None) -> weakref.finalize[Any, Any]:
-    """Make ``group`` an orphan once ``context`` is garbage; ``detach()`` the
-    result when the context is closed."""
-    finalizer = weakref.finalize(context, _dropped, Orphan(name, group, launcher, forwarder))
-    finalizer.atexit = False  # at exit, stop_all() and the live contexts' close() see to it
-    return finalizer
+def watch(context: Any, name: str, group: _core.Group, launcher: Launch, forwarder: Forwarder | None) -> None:
+    """``context`` is live until ``forget(context)``; if it becomes garbage
+    before that, ``group`` becomes an orphan."""
+    key = id(context)
+    orphan = Orphan(name, group, launcher, forwarder)
+
+    # (The containers are bound now: at interpreter teardown this may run
+    # after the module's globals are gone.)
+    def dropped(ref: weakref.ref[Any], live: dict[int, weakref.ref[Any]] = _live,
+                orphans: list[Orphan] = _orphans) -> None:
+        if live.get(key) is ref:  # (the id is not reused before this runs)
+            del live[key]
+        orphans.append(orphan)
+
+    _live[key] = weakref.ref(context, dropped)
+
+
+def forget(context: Any) -> None:
+    """``context`` was closed: not live any more, never an orphan."""
+    _live.pop(id(context), None)
+
+
+def live_contexts() -> list[Any]:
+    """The contexts started and not closed yet (that are still reachable)."""
+    return [c for c in (ref() for ref in list(_live.values())) if c is not None]
 
 
 def reap_finished() -> None:
@@ -125,5 +150,7 @@ def stop_all(death_sig: signal.Signals, timeout: float) -> None:
 
 
 def forget_after_fork() -> None:
-    """A forked child has no orphans of its own: they are its parent's."""
+    """A forked child has no contexts or orphans of its own: they are its
+    parent's."""
+    _live.clear()
     _orphans.clear()
