@@ -35,6 +35,37 @@ static int64_t timeval_ns(struct timeval tv)
     return (int64_t)tv.tv_sec * 1000000000LL + (int64_t)tv.tv_usec * 1000;
 }
 
+/* A rank that exited by itself and left nothing in its process group is
+ * reaped at once, in a context of up to this many ranks: nothing can be
+ * signalled through that group any more, so its zombie pins nothing worth
+ * keeping, and close() -- on the way from the last exit to wait()'s return --
+ * has one scan and one reap less to do for it.  Larger contexts leave it to
+ * close()'s one pass for all their groups. */
+#define EARLY_REAP_MAX_RANKS 8
+/* At most this many pids handed out since the rank started: the look is a
+ * few dozen getpgid() calls, never a listing of /proc. */
+#define EARLY_REAP_SPAN 64
+
+/* Whether a rank's exit lets it be reaped before close() (see above): it
+ * exited (a signal's death is kept pinned: a SIGKILL torchmp did not send is
+ * explained from what the zombie pins, torchmp._oom), it is our child, and
+ * its context is small.  Caller holds mu. */
+static int proc_early_reap_wanted_locked(const torchmp_proc *p, int status, int status_lost)
+{
+    return p->unreaped && !p->by_forkserver && !status_lost && WIFEXITED(status) &&
+           p->group->nprocs <= EARLY_REAP_MAX_RANKS;
+}
+
+static void proc_early_reap(torchmp_loop *L, torchmp_proc *p)
+{
+    if (torchmp_pgroup_surely_empty(p->info.pid, EARLY_REAP_SPAN) != 1)
+        return;
+    pthread_mutex_lock(&L->mu);
+    if (p->unreaped) /* (close() may have reaped it meanwhile) */
+        torchmp_loop_proc_reap_locked(p);
+    pthread_mutex_unlock(&L->mu);
+}
+
 /* Record a rank's exit: first everything the worker wrote before it exited
  * goes out, then the state flips and Python is woken.  unreaped: the zombie
  * is still there (see torchmp_proc.unreaped). */
@@ -43,6 +74,7 @@ static void proc_record_exit(torchmp_loop *L, torchmp_proc *p, int status, int64
 {
     int64_t now_mono = clock_ns(CLOCK_MONOTONIC);
     int64_t now_real = clock_ns(CLOCK_REALTIME);
+    int early_reap;
 
     p->exiting = 1;
     for (int w = 0; w < STREAM_COUNT; w++)
@@ -67,10 +99,14 @@ static void proc_record_exit(torchmp_loop *L, torchmp_proc *p, int status, int64
      * pid whose zombie is already gone (it may be recycled at any time). */
     if (p->group->released || !unreaped)
         torchmp_loop_proc_reap_locked(p);
+    early_reap = proc_early_reap_wanted_locked(p, status, status_lost);
     p->group->version++;
     group_notify_locked(p->group);
     pthread_mutex_unlock(&L->mu);
     p->exiting = 0;
+    /* After the wake-up: the waiter builds its result meanwhile. */
+    if (early_reap)
+        proc_early_reap(L, p);
     /* The last touch of p: a released group with no rank running may be
      * freed by the loop thread from here on (a group spawned in place can
      * have its exits recorded by a waiting caller).  Atomic: a caller-thread

@@ -20,6 +20,10 @@
  * only the final SIGKILL).  Each process costs one getpgid(); only members
  * have their stat file read (to leave zombies out): reading every process's
  * stat would cost about 7 us a process.
+ *
+ * torchmp_pgroup_surely_empty asks the same of one group at its leader's
+ * exit, and answers only when that is cheap and certain (loop_reap.c reaps
+ * such a leader at once).
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -236,4 +240,26 @@ int torchmp_pgroups_alive(const pid_t *pgids, int n, unsigned char *alive)
     closedir(dir);
     free(sorted);
     return found;
+}
+
+int torchmp_pgroup_surely_empty(pid_t pgid, long span)
+{
+    long last = last_pid(), again;
+    unsigned char alive = 0;
+    int saved = errno;
+
+    if (pgid <= 1 || last < (long)pgid || last - (long)pgid > span)
+        return 0;
+    for (long pid = (long)pgid + 1; pid <= last; pid++) {
+        if (check_member((pid_t)pid, AT_FDCWD, NULL, &pgid, &pgid, 1, &alive) > 0) {
+            errno = saved;
+            return 0;
+        }
+    }
+    /* A member the pass had not reached yet may have forked and exited
+     * meanwhile, its child getting a pid past `last`: only if no pid was
+     * handed out during the pass did it see every member there was. */
+    again = last_pid();
+    errno = saved;
+    return again == last;
 }

@@ -656,6 +656,12 @@ void torchmp_keeper_watch(int read_fd, const int32_t *table) __attribute__((nore
  * whose leader (pid pgids[i]) the caller holds as a zombie; one pass over
  * /proc.  Returns how many are alive, -1 with errno. */
 int torchmp_pgroups_alive(const pid_t *pgids, int n, unsigned char *alive);
+/* 1 if the group of leader pgid (a zombie the caller holds) surely has no
+ * other living member, told cheaply: at most span pids were handed out since
+ * the leader, and none while looking.  0 otherwise (a member lives, or it
+ * would take a longer look: leave the group to torchmp_pgroups_alive).
+ * Keeps errno. */
+int torchmp_pgroup_surely_empty(pid_t pgid, long span);
 /* 1 if pid is gone or a zombie (for workers that are not our children). */
 int torchmp_pid_exited(pid_t pid);
 /* How many fds this process has open (/proc/self/fd), -1 with errno. */

@@ -77,7 +77,7 @@ REUSE_SCRIPT = """
     from torchmp import DefaultLogsSpecs
 
     ctx = torchmp.start_processes(
-        "reuse", "sh", args={0: ("-c", "exec sleep 30"), 1: ("-c", "exit 0")}, envs=None,
+        "reuse", "sh", args={0: ("-c", "exec sleep 30"), 1: ("-c", sys.argv[2])}, envs=None,
         logs_specs=DefaultLogsSpecs(log_dir=sys.argv[1]))
     victim = ctx.pids()[1]
     deadline = time.monotonic() + 10
@@ -86,7 +86,7 @@ REUSE_SCRIPT = """
             with open(f"/proc/{victim}/stat") as f:
                 if f.read().rsplit(")", 1)[1].split()[0] == "Z":
                     break
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # (reaped before the open, or before the read)
             break
         time.sleep(0.005)
     time.sleep(0.2)  # time for a launcher that reaps at once to have reaped
@@ -104,23 +104,33 @@ REUSE_SCRIPT = """
 """
 
 
-def test_recycled_pid_in_a_private_pid_namespace_is_never_signalled(launcher, tmp_path):
+@pytest.mark.parametrize("how", ["killed", "exited"])
+def test_recycled_pid_in_a_private_pid_namespace_is_never_signalled(launcher, tmp_path, how):
+    """killed: the rank died of a signal, and its zombie pins its pid until
+    close() is done with it.  exited: it exited by itself leaving its group
+    empty, so torchmp let the pid go at once (nothing could be signalled
+    through it) -- and a stranger that gets it must live through close()."""
     if not _can_unshare_pid():
         pytest.skip("no private pid namespace here (unshare --pid, ns_last_pid)")
-    run = launcher(REUSE_SCRIPT, str(tmp_path),
+    rank1 = {"killed": "kill -TERM $$", "exited": "exit 0"}[how]
+    run = launcher(REUSE_SCRIPT, str(tmp_path), rank1,
                    argv_prefix=[shutil.which("unshare"), "--pid", "--fork", "--mount-proc"])
     rc, out, err = run.communicate(60)
     assert rc == 0, err
     victim, stranger, alive, victim_reaped = (int(x) for x in out.split())
-    # The exited rank's zombie pins its pid until close() is done with it ...
-    assert stranger != victim, "the exited rank's pid was free for reuse while torchmp could still signal it"
-    # ... so the stranger lives through close(), and close() reaped the zombie.
+    if how == "killed":
+        assert stranger != victim, "the killed rank's pid was free for reuse while torchmp could still signal it"
+    else:
+        # Nothing else hands out pids in this namespace: the rank was reaped
+        # at its exit, before close(), and the stranger took its pid.
+        assert stranger == victim, "the rank that exited with an empty group was not reaped before close()"
+    # Either way the stranger lives through close(), and no zombie is left.
     assert alive == 1, "close() killed a process that is not torchmp's"
-    assert victim_reaped == 1
+    assert victim_reaped == 1 or stranger == victim
 
 
-def test_exited_rank_stays_a_zombie_until_close_then_is_reaped(tmp_path):
-    ctx = torchmp.start_processes("zombie", "sh", args={0: ("-c", "exec sleep 30"), 1: ("-c", "exit 3")},
+def test_killed_rank_stays_a_zombie_until_close_then_is_reaped(tmp_path):
+    ctx = torchmp.start_processes("zombie", "sh", args={0: ("-c", "exec sleep 30"), 1: ("-c", "kill -TERM $$")},
                                   envs=None, logs_specs=torchmp.DefaultLogsSpecs(log_dir=str(tmp_path)))
     try:
         pids = ctx.pids()
@@ -131,8 +141,8 @@ def test_exited_rank_stays_a_zombie_until_close_then_is_reaped(tmp_path):
         # Recorded, but not reaped: the zombie keeps pid and group id ours.
         assert psutil.Process(pids[1]).status() == psutil.STATUS_ZOMBIE
         result = ctx.wait(10)
-        assert result is not None and result.failures[1].exitcode == 3
-        assert result.resources[1].exitcode == 3 and result.resources[1].wall_time > 0
+        assert result is not None and result.failures[1].exitcode == -signal.SIGTERM
+        assert result.resources[1].exitcode == -signal.SIGTERM and result.resources[1].wall_time > 0
         assert not psutil.pid_exists(pids[1]) or psutil.Process(pids[1]).status() != psutil.STATUS_ZOMBIE
         assert wait_gone([pids[0]]) == []
     finally:
