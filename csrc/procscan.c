@@ -260,8 +260,8 @@ int torchmp_pgroup_surely_empty(pid_t pgid, long span)
      * meanwhile, its child getting a pid past `last`: only if no pid was
      * handed out during the pass did it see every member there was.  (What
      * it cannot see coming: a process of the rank's session that had left
-     * the group with setpgid() and joins it again -- one that escaped the
-     * group once, which close() would not have stopped either.) */
+     * the group with setpgid() and joins it again.  While outside, it had
+     * escaped the group, where close() does not look for it either.) */
     again = last_pid();
     errno = saved;
     return again == last;
