@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -97,6 +98,23 @@ def test_none_and_unbound_ranks_are_reported(cli, tmp_path):
     assert code == 0, err
     assert rank_lines(out) == {0: [ALL, "default"], 1: [ALL, "default"]}
     assert re.findall(r"^torchmp: rank \d \(pid \d+\) (.*)$", err, re.M) == [f"not bound (cpus {ALL})"] * 2
+
+
+def test_a_rank_reaped_before_the_report_is_described_by_what_it_started_with():
+    # A quick rank is reaped at its exit, possibly before --report-bindings
+    # reads its /proc entry: an unbound one started with the launcher's CPUs.
+    from torchmp.cli.plan import where_ranks_run
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+
+    class Started:
+        bindings: dict[int, object] = {}
+
+        def pids(self) -> dict[int, int]:
+            return {0: gone.pid, 1: os.getpid()}
+
+    assert where_ranks_run(Started()) == {0: f"not bound (cpus {ALL})", 1: f"not bound (cpus {ALL})"}
 
 
 def test_numa_binding_with_a_fake_topology(cli, tmp_path):

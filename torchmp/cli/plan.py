@@ -377,10 +377,22 @@ def _rank_cpus(args: argparse.Namespace, nproc: int) -> tuple[dict[int, frozense
 
 def where_ranks_run(ctx: Any) -> dict[int, str]:
     """--report-bindings: each started local rank's CPUs as the kernel has
-    them (read right after the launch), and its memory binding."""
+    them (read right after the launch), and its memory binding.  A rank
+    that is gone already (a quick one is reaped at its exit) is described
+    by what it started with: its binding, or if unbound the launcher's own
+    CPUs, which it inherited."""
     bindings = getattr(ctx, "bindings", {})
-    return {local: _describe_binding(bindings.get(local), cpus_of(pid))
-            for local, pid in sorted(ctx.pids().items())}
+    inherited: frozenset[int] | None = None
+    where = {}
+    for local, pid in sorted(ctx.pids().items()):
+        binding = bindings.get(local)
+        actual = cpus_of(pid)
+        if actual is None and binding is None and hasattr(os, "sched_getaffinity"):
+            if inherited is None:
+                inherited = frozenset(os.sched_getaffinity(0))
+            actual = inherited
+        where[local] = _describe_binding(binding, actual)
+    return where
 
 
 _T = TypeVar("_T")
