@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -380,3 +381,15 @@ class Launchers:
         """After the ``with`` block: the processes of any launcher started
         that are still alive (zombies aside), waiting up to timeout for each."""
         return [p for launched in self.started for p in wait_no_tagged(launched.tag, timeout)]
+
+
+def can_unshare_pid() -> bool:
+    """Whether a private pid namespace can be made here (unshare --pid),
+    with its next pid settable (ns_last_pid)."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return False
+    probe = subprocess.run(
+        [unshare, "--pid", "--fork", "--mount-proc", "sh", "-c", "echo $$ > /proc/sys/kernel/ns_last_pid"],
+        capture_output=True, timeout=10)
+    return probe.returncode == 0

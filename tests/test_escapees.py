@@ -14,6 +14,8 @@ process-wide setting, not one to leave in the test process.
 """
 from __future__ import annotations
 
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,7 +23,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import Launcher, Launchers, kill_groups, read_pids, run_launcher, wait_gone, wait_no_tagged
+from helpers import (Launcher, Launchers, can_unshare_pid, kill_groups, read_pids, run_launcher, wait_gone,
+                     wait_no_tagged)
 from torchmp import _core
 
 # The portable build has no child subreaper (docs/packaging.md): only the
@@ -198,3 +201,64 @@ def test_a_build_without_the_subreaper_says_so_only_when_asked(tmp_path):
     assert result.stdout == b"refused ENOSYS\n", result
     assert not (tmp_path / "started").exists()
     assert not (tmp_path / "lib").exists() or not any((tmp_path / "lib").iterdir())
+
+
+# Rank 0 exits at once (reaped at its exit, its pid free); then, once told,
+# rank 1 forks a child that leaves its group, and exits: the child is
+# re-parented to the launcher, the subreaper.  The launcher sets the
+# namespace's next pid to rank 0's first, so the escapee gets that pid.
+FREED_PID = """
+import os, sys, time
+import torchmp
+from torchmp import DefaultLogsSpecs
+d = sys.argv[1]
+RANK1 = '''
+import os, sys, time
+d = sys.argv[1]
+while not os.path.exists(d + "/go"):
+    time.sleep(0.005)
+if os.fork() == 0:
+    os.setsid()
+    with open(d + "/escapee.tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(d + "/escapee.tmp", d + "/escapee")
+    time.sleep(60)
+    os._exit(0)
+while not os.path.exists(d + "/escapee"):
+    time.sleep(0.005)
+'''
+ctx = torchmp.start_processes("esc", sys.executable, {0: ("-c", "pass"), 1: ("-c", RANK1, d)}, None,
+                              DefaultLogsSpecs(log_dir=d + "/logs"), subreaper=True)
+freed = ctx.pids()[0]
+deadline = time.monotonic() + 10
+while os.path.exists(f"/proc/{freed}") and time.monotonic() < deadline:
+    time.sleep(0.005)
+reaped_early = not os.path.exists(f"/proc/{freed}")
+with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+    f.write(str(freed - 1))
+open(d + "/go", "w").close()
+result = ctx.wait(30)
+with open(d + "/escapee") as f:
+    escapee = int(f.read())
+alive = os.path.exists(f"/proc/{escapee}")
+print(freed, escapee, int(reaped_early), ctx.escaped, int(alive), result.failures, flush=True)
+"""
+
+
+@needs_subreaper
+def test_an_escapee_on_the_freed_pid_of_a_rank_reaped_at_its_exit_is_stopped(tmp_path):
+    # The sweep used to skip every rank's pid as torchmp's own; once a rank
+    # is reaped at its exit, that pid may be an escapee's (here it is, in a
+    # private pid namespace, which also takes every process with it when
+    # the launcher ends).
+    if not can_unshare_pid():
+        pytest.skip("no private pid namespace here (unshare --pid, ns_last_pid)")
+    done = subprocess.run([shutil.which("unshare"), "--pid", "--fork", "--mount-proc", sys.executable, "-c",
+                           FREED_PID, str(tmp_path)], capture_output=True, timeout=60, start_new_session=True)
+    assert done.returncode == 0, done.stderr
+    freed, escapee, reaped_early, escaped, alive, failures = done.stdout.decode().split(maxsplit=5)
+    assert reaped_early == "1", "rank 0 was not reaped at its exit"
+    assert escapee == freed, "the setup did not put the escapee on the freed pid"
+    assert alive == "0", "close() left the escapee on a freed rank pid running"
+    assert escaped == "1"
+    assert failures.strip() == "{}"

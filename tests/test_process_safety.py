@@ -30,7 +30,8 @@ import pytest
 
 import torchmp
 from torchmp import _core
-from helpers import TAG_VAR, Launcher, Launchers, kill_tagged, launcher_env, pid_alive, wait_gone, wait_no_tagged
+from helpers import (TAG_VAR, Launcher, Launchers, can_unshare_pid, kill_tagged, launcher_env, pid_alive, wait_gone,
+                     wait_no_tagged)
 
 
 @pytest.fixture
@@ -60,16 +61,6 @@ def wait_for_file(path: Path, text: str = "", timeout: float = 10.0) -> str:
 
 # ---------------------------------------------------------------------------
 # 1. A signal never reaches a process that is not ours.
-
-def _can_unshare_pid() -> bool:
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        return False
-    probe = subprocess.run(
-        [unshare, "--pid", "--fork", "--mount-proc", "sh", "-c", "echo $$ > /proc/sys/kernel/ns_last_pid"],
-        capture_output=True, timeout=10)
-    return probe.returncode == 0
-
 
 REUSE_SCRIPT = """
     import os, subprocess, sys, time
@@ -110,7 +101,7 @@ def test_recycled_pid_in_a_private_pid_namespace_is_never_signalled(launcher, tm
     close() is done with it.  exited: it exited by itself leaving its group
     empty, so torchmp let the pid go at once (nothing could be signalled
     through it) -- and a stranger that gets it must live through close()."""
-    if not _can_unshare_pid():
+    if not can_unshare_pid():
         pytest.skip("no private pid namespace here (unshare --pid, ns_last_pid)")
     rank1 = {"killed": "kill -TERM $$", "exited": "exit 0"}[how]
     run = launcher(REUSE_SCRIPT, str(tmp_path), rank1,

@@ -84,6 +84,14 @@ def _signal(pid: int, pgrp: int, sig: int) -> None:
         pass
 
 
+def _left_its_group(pid: int, pgrp: int, rank_groups: Collection[int]) -> bool:
+    """Whether a re-parented child had left its rank's process group.  One
+    that leads a group with a rank's id made that group itself, after the
+    rank's was gone and its id free again (a rank's own group has only ever
+    had the rank as its leader)."""
+    return pgrp not in rank_groups or pid == pgrp
+
+
 def reap_exited(known: Collection[int], rank_groups: Collection[int]) -> int:
     """Reap the children torchmp did not start that have exited already
     (re-parented here while the job runs: without this they would stay
@@ -99,7 +107,7 @@ def reap_exited(known: Collection[int], rank_groups: Collection[int]) -> int:
                 os.waitpid(pid, os.WNOHANG)
             except ChildProcessError:
                 continue
-            count += pgrp not in rank_groups
+            count += _left_its_group(pid, pgrp, rank_groups)
     return count
 
 
@@ -140,4 +148,4 @@ def stop(known: Collection[int], rank_groups: Collection[int], grace: float, mar
             os.waitpid(pid, os.WNOHANG)  # the ones left running stay ours
         except ChildProcessError:
             pass
-    return sum(1 for pgrp in seen.values() if pgrp not in rank_groups)
+    return sum(1 for pid, pgrp in seen.items() if _left_its_group(pid, pgrp, rank_groups))

@@ -459,6 +459,16 @@ class _NativeContext(PContext):
         _, ranks = self._snapshot()
         return [r for r, info in enumerate(ranks) if info.state == _core.PROC_RUNNING]
 
+    def _unreaped_pids(self) -> list[int]:
+        # close() reaped every rank but those it abandoned (still running);
+        # a rank reaped at its exit had let its pid go long before.  (Before
+        # close(), every started rank, to be safe: a zombie is not told
+        # apart from a rank reaped at its exit here.)
+        _, ranks = self._snapshot()
+        if not self._closed:
+            return [info.pid for info in ranks if info.state != _core.PROC_UNSTARTED]
+        return [info.pid for info in ranks if info.state == _core.PROC_RUNNING]
+
     def _send_signal(self, sig: int, ranks: list[int] | None) -> list[int]:
         try:  # (ValueError: released by a close() in another thread meanwhile)
             return [] if self._group is None or self._closed else self._group.send_signal(sig, ranks)

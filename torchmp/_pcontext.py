@@ -238,6 +238,12 @@ class PContext(abc.ABC):
             chosen = sorted(set(given))
         return self._send_signal(int(sig), chosen)
 
+    def _unreaped_pids(self) -> list[int]:
+        """After close(): the ranks' pids that are still this process's
+        children (not reaped).  Every other rank's pid is free, and may be
+        anybody's by now -- an escapee's too."""
+        return list(self.pids().values())
+
     def _send_signal(self, sig: int, ranks: list[int] | None) -> list[int]:
         raise NotImplementedError(f"{type(self).__name__} cannot send signals to its ranks")
 
@@ -250,7 +256,7 @@ class PContext(abc.ABC):
         self._close(death_sig=death_sig, timeout=timeout)
         if self.subreaper_id is not None:
             # The ranks are gone: now what left their groups (subreaper=True).
-            self.escaped += _escapees.stop(self.pids().values(), self.pids().values(), timeout,
+            self.escaped += _escapees.stop(self._unreaped_pids(), self.pids().values(), timeout,
                                            marker=self.subreaper_id)
 
     def __enter__(self) -> PContext:

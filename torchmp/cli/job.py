@@ -285,8 +285,8 @@ class Job:
         here: torchmp run is a child subreaper), once the ranks are gone."""
         if self.escaped is None or self.ctx is None:
             return
-        pids = list(self.ctx.pids().values())
-        self.escaped += _escapees.stop(pids, pids, self.plan.shutdown_timeout if grace is None else grace)
+        self.escaped += _escapees.stop(self.ctx._unreaped_pids(), list(self.ctx.pids().values()),
+                                       self.plan.shutdown_timeout if grace is None else grace)
 
     def restart(self) -> None:
         """This attempt's report, then on to the next (launch() starts it)."""
