@@ -23,8 +23,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import (Launcher, Launchers, can_unshare_pid, kill_groups, read_pids, run_launcher, wait_gone,
-                     wait_no_tagged)
+from helpers import (Launcher, Launchers, can_unshare_pid, kill_groups, launcher_env, read_pids, run_launcher,
+                     wait_gone, wait_no_tagged)
 from torchmp import _core
 
 # The portable build has no child subreaper (docs/packaging.md): only the
@@ -253,8 +253,10 @@ def test_an_escapee_on_the_freed_pid_of_a_rank_reaped_at_its_exit_is_stopped(tmp
     # the launcher ends).
     if not can_unshare_pid():
         pytest.skip("no private pid namespace here (unshare --pid, ns_last_pid)")
+    # (cwd "/": `python -c` must not pick up an unbuilt source tree from the cwd.)
     done = subprocess.run([shutil.which("unshare"), "--pid", "--fork", "--mount-proc", sys.executable, "-c",
-                           FREED_PID, str(tmp_path)], capture_output=True, timeout=60, start_new_session=True)
+                           FREED_PID, str(tmp_path)], capture_output=True, timeout=60, start_new_session=True,
+                          cwd="/", env=launcher_env())
     assert done.returncode == 0, done.stderr
     freed, escapee, reaped_early, escaped, alive, failures = done.stdout.decode().split(maxsplit=5)
     assert reaped_early == "1", "rank 0 was not reaped at its exit"
