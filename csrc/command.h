@@ -42,8 +42,10 @@ torchmp_note *torchmp_notifier_take(torchmp_notifier *n, size_t *count, int *ove
 
 /* Groups: also post TORCHMP_NOTE_CHANGED with token to n whenever the
  * group's change counter moves or it is interrupted (until unwatched, or the
- * group is freed).  -1 with errno (ENOMEM). */
-int torchmp_group_watch(torchmp_group *g, torchmp_notifier *n, uint64_t token);
+ * group is freed); with TORCHMP_WAIT_DECIDED in flags, only once the result
+ * is decided or on the interrupt (torchmp_group_wait's flags).  -1 with
+ * errno (ENOMEM). */
+int torchmp_group_watch(torchmp_group *g, torchmp_notifier *n, uint64_t token, int flags);
 void torchmp_group_unwatch(torchmp_group *g, torchmp_notifier *n);
 
 /* ---------------------------------------------------------------------------

@@ -192,7 +192,10 @@ cdef extern from "torchmp.h" nogil:
     void torchmp_group_stream_state(torchmp_group *g, torchmp_stream_state *out, int n)
     size_t torchmp_group_tail(torchmp_group *g, int rank, int which, char *buf, size_t cap)
     int torchmp_group_wait(torchmp_group *g, int64_t timeout_ns, uint64_t known_version, int *watch_exits,
-                           int signal_fd) nogil
+                           int signal_fd, int flags) nogil
+    enum:
+        TORCHMP_WAIT_DECIDED
+        TORCHMP_WAIT_FAIL_FAST
     void torchmp_group_interrupt(torchmp_group *g)
     int torchmp_group_killpg(torchmp_group *g, int sig)
     int torchmp_group_signal(torchmp_group *g, int sig, const unsigned char *which, int only_running,
@@ -223,7 +226,7 @@ cdef extern from "torchmp.h" nogil:
     void torchmp_notifier_unref(torchmp_notifier *n)
     int torchmp_notifier_fd(const torchmp_notifier *n)
     torchmp_note *torchmp_notifier_take(torchmp_notifier *n, size_t *count, int *overflow)
-    int torchmp_group_watch(torchmp_group *g, torchmp_notifier *n, uint64_t token)
+    int torchmp_group_watch(torchmp_group *g, torchmp_notifier *n, uint64_t token, int flags)
     void torchmp_group_unwatch(torchmp_group *g, torchmp_notifier *n)
 
     # command.c, loop_commands.c

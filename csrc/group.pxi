@@ -485,6 +485,7 @@ cdef class Group:
         cdef int rc, err
         cdef int watch_exits = 1
         cdef int signal_fd = -1
+        cdef int flags = 0
         cdef int64_t wait_ns
         cdef torchmp_proc_info *info = NULL
         import time
@@ -494,6 +495,9 @@ cdef class Group:
                 info = <torchmp_proc_info *>calloc(self.nprocs if self.nprocs else 1, sizeof(torchmp_proc_info))
                 if info == NULL:
                     raise MemoryError()
+                # The core sleeps through the exits that decide nothing;
+                # _moved_undecided stays the judge of what it wakes for.
+                flags = TORCHMP_WAIT_DECIDED | (TORCHMP_WAIT_FAIL_FAST if fail_fast else 0)
             deadline = None if timeout < 0 else time.monotonic() + timeout
             # (csrc/signal_wake.pxi) Then the handlers of signals that came
             # before the watch began; those after it wake the sleep below.
@@ -509,7 +513,7 @@ cdef class Group:
                     wait_ns = <int64_t>(min(remaining, 1e9) * 1e9) if remaining > 0 else 0
                 wait_ns = signal_wake_slice_ns(signal_fd, wait_ns)
                 with nogil:
-                    rc = torchmp_group_wait(self.g, wait_ns, known_version, &watch_exits, signal_fd)
+                    rc = torchmp_group_wait(self.g, wait_ns, known_version, &watch_exits, signal_fd, flags)
                     err = errno
                 if rc < 0 and err != EINTR:
                     raise OSError(err, strerror(err).decode())
@@ -546,11 +550,16 @@ cdef class Group:
         known_version[0] = version
         return True
 
-    def watch(self, Notifier notifier not None, uint64_t token):
+    def watch(self, Notifier notifier not None, uint64_t token, bint until_decided=False, bint fail_fast=True):
         """Post NOTE_CHANGED with token to notifier whenever the change
-        counter moves or the group is released (until unwatch)."""
+        counter moves or the group is released (until unwatch).
+        until_decided (and fail_fast): only once the result is decided, as
+        for wait()."""
+        cdef int flags = 0
         self._ours()
-        check(torchmp_group_watch(self.g, notifier.ptr(), token), b"watching the group")
+        if until_decided:
+            flags = TORCHMP_WAIT_DECIDED | (TORCHMP_WAIT_FAIL_FAST if fail_fast else 0)
+        check(torchmp_group_watch(self.g, notifier.ptr(), token, flags), b"watching the group")
 
     def unwatch(self, Notifier notifier not None):
         if self.g != NULL and notifier.n != NULL:

@@ -237,6 +237,8 @@ struct torchmp_group {
                                 * spawned in the caller's thread, and a caller
                                 * waiting for them collects their exits itself */
     uint64_t version;          /* mu */
+    int exited;                /* mu: ranks whose exit is recorded */
+    int failed;                /* mu: of those, the ones whose status is not 0 */
     int released;              /* loop thread */
     int running;               /* atomic: loop thread, and a caller-thread spawn */
     int open_streams;          /* loop thread */
@@ -246,6 +248,10 @@ struct torchmp_group {
 
 typedef struct group_waiter {
     int wake_r, wake_w;
+    int until_decided;         /* TORCHMP_WAIT_DECIDED: see torchmp_group_wait */
+    int fail_fast;             /* TORCHMP_WAIT_FAIL_FAST */
+    int can_watch_exits;       /* could poll the exits set itself (a pidfd per rank) */
+    int watches_exits;         /* does */
     struct group_waiter *next;
 } group_waiter;
 
@@ -253,6 +259,8 @@ typedef struct group_waiter {
 typedef struct group_watcher {
     torchmp_notifier *notifier;
     uint64_t token;
+    int until_decided;         /* TORCHMP_WAIT_DECIDED */
+    int fail_fast;             /* TORCHMP_WAIT_FAIL_FAST */
     struct group_watcher *next;
 } group_watcher;
 

@@ -21,13 +21,36 @@
 
 /* ---- exits -------------------------------------------------------------- */
 
-/* Wake every caller sleeping in torchmp_group_wait.  Caller holds mu. */
+/* Whether a change is one that a waiter or watcher sleeping through the
+ * exits that decide nothing (TORCHMP_WAIT_DECIDED) wakes for: every rank
+ * exited, or (fail_fast) one failed, or the wait was interrupted.  Caller
+ * holds mu. */
+static int group_decided_locked(const torchmp_group *g, int fail_fast)
+{
+    return g->interrupted || g->exited == g->nprocs || (fail_fast && g->failed > 0);
+}
+
+/* A waiter also wakes when one rank is left, to watch that rank's exit
+ * itself: woken by the exit, it records it without a hop through the I/O
+ * thread.  Caller holds mu. */
+static int waiter_woken_locked(const torchmp_group *g, const group_waiter *w)
+{
+    return !w->until_decided || group_decided_locked(g, w->fail_fast) ||
+           (w->can_watch_exits && !w->watches_exits && g->nprocs - g->exited == 1);
+}
+
+/* Wake the callers sleeping in torchmp_group_wait, and post to the event
+ * loops watching the group, that want this change.  Caller holds mu. */
 static void group_notify_locked(torchmp_group *g)
 {
-    for (group_waiter *w = g->waiters; w != NULL; w = w->next)
-        torchmp_loop_notify_post(w->wake_w);
-    for (group_watcher *w = g->watchers; w != NULL; w = w->next)
-        torchmp_notifier_post(w->notifier, w->token, TORCHMP_NOTE_CHANGED);
+    for (group_waiter *w = g->waiters; w != NULL; w = w->next) {
+        if (waiter_woken_locked(g, w))
+            torchmp_loop_notify_post(w->wake_w);
+    }
+    for (group_watcher *w = g->watchers; w != NULL; w = w->next) {
+        if (!w->until_decided || group_decided_locked(g, w->fail_fast))
+            torchmp_notifier_post(w->notifier, w->token, TORCHMP_NOTE_CHANGED);
+    }
 }
 
 static int64_t timeval_ns(struct timeval tv)
@@ -95,6 +118,9 @@ static void proc_record_exit(torchmp_loop *L, torchmp_proc *p, int status, int64
     p->info.out_log_errno = p->streams[STREAM_OUT].log_errno;
     p->info.err_log_errno = p->streams[STREAM_ERR].log_errno;
     p->unreaped = unreaped;
+    p->group->exited++;
+    if (status != 0)
+        p->group->failed++;
     /* Nobody will signal this group again: a released group's exits, or a
      * pid whose zombie is already gone (it may be recycled at any time). */
     if (p->group->released || !unreaped)
@@ -425,7 +451,7 @@ static void waiter_unlink_locked(torchmp_group *g, group_waiter *me)
     }
 }
 
-int torchmp_group_watch(torchmp_group *g, torchmp_notifier *n, uint64_t token)
+int torchmp_group_watch(torchmp_group *g, torchmp_notifier *n, uint64_t token, int flags)
 {
     torchmp_loop *L = g->loop;
     group_watcher *w = calloc(1, sizeof(*w));
@@ -433,6 +459,8 @@ int torchmp_group_watch(torchmp_group *g, torchmp_notifier *n, uint64_t token)
         return -1;
     w->notifier = torchmp_notifier_ref(n);
     w->token = token;
+    w->until_decided = (flags & TORCHMP_WAIT_DECIDED) != 0;
+    w->fail_fast = (flags & TORCHMP_WAIT_FAIL_FAST) != 0;
     pthread_mutex_lock(&L->mu);
     w->next = g->watchers;
     g->watchers = w;
@@ -460,12 +488,11 @@ void torchmp_group_unwatch(torchmp_group *g, torchmp_notifier *n)
 }
 
 int torchmp_group_wait(torchmp_group *g, int64_t timeout_ns, uint64_t known_version, int *watch_exits,
-                       int signal_fd)
+                       int signal_fd, int flags)
 {
     torchmp_loop *L = g->loop;
-    int exits_fd = *watch_exits && L->exits != NULL ? torchmp_poller_fd(L->exits) : -1;
-    int64_t start = exits_fd >= 0 ? clock_ns(CLOCK_MONOTONIC) : 0;
-    int64_t now, until;
+    int exits_fd = -1;
+    int64_t start = 0, now, until;
     group_waiter me;
     int rc, changed, signalled = 0;
 
@@ -477,13 +504,25 @@ int torchmp_group_wait(torchmp_group *g, int64_t timeout_ns, uint64_t known_vers
     pthread_mutex_unlock(&L->mu);
     if (torchmp_loop_notify_open(&me.wake_r, &me.wake_w) != 0)
         return -1;
+    me.until_decided = (flags & TORCHMP_WAIT_DECIDED) != 0;
+    me.fail_fast = (flags & TORCHMP_WAIT_FAIL_FAST) != 0;
+    me.can_watch_exits = *watch_exits && L->exits != NULL;
+    me.watches_exits = 0;
     pthread_mutex_lock(&L->mu);
     changed = group_changed_locked(g, known_version);
     if (!changed) {
+        /* Watching every exit costs a wake-up each (and a race with this
+         * thread, which records it too); until the result is decided, only
+         * the last rank's exit is worth it. */
+        me.watches_exits = me.can_watch_exits && (!me.until_decided || g->nprocs - g->exited <= 1);
         me.next = g->waiters;
         g->waiters = &me;
     }
     pthread_mutex_unlock(&L->mu);
+    if (!changed && me.watches_exits) {
+        exits_fd = torchmp_poller_fd(L->exits);
+        start = clock_ns(CLOCK_MONOTONIC);
+    }
     if (changed) {
         torchmp_loop_notify_close(&me.wake_r, &me.wake_w);
         return 1;

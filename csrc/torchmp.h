@@ -545,6 +545,17 @@ void torchmp_group_stream_state(torchmp_group *g, torchmp_stream_state *out, int
  * oldest first, into buf (at most cap bytes); returns how many. */
 size_t torchmp_group_tail(torchmp_group *g, int rank, int which, char *buf, size_t cap);
 
+/* torchmp_group_wait's flags. */
+enum {
+    /* Sleep through the exits that decide nothing: woken once every rank has
+     * exited, or (with TORCHMP_WAIT_FAIL_FAST) one exited with a status
+     * other than 0 -- what a context's wait() decides on -- or when one rank
+     * is left (to watch its exit directly).  Other changes still end the
+     * wait if they happened before it began. */
+    TORCHMP_WAIT_DECIDED = 1,
+    TORCHMP_WAIT_FAIL_FAST = 2
+};
+
 /* Sleep until the group's change counter differs from known_version (the
  * one of the caller's last snapshot), torchmp_group_interrupt is called, or
  * timeout_ns pass (negative: forever).  Returns 1 for a change, 0 otherwise
@@ -554,9 +565,9 @@ size_t torchmp_group_tail(torchmp_group *g, int rank, int which, char *buf, size
  * workers' exits directly stops paying off; keep it across the calls of one
  * wait.  signal_fd (ignored if negative) is watched too: the fd a signal's
  * arrival is written to, whichever thread took it (CPython's wake-up fd);
- * readable, it ends the wait as EINTR does. */
+ * readable, it ends the wait as EINTR does.  flags: TORCHMP_WAIT_*. */
 int torchmp_group_wait(torchmp_group *g, int64_t timeout_ns, uint64_t known_version, int *watch_exits,
-                       int signal_fd);
+                       int signal_fd, int flags);
 /* Whether child pid has exited, without reaping it: 1 with its wait(2)-style
  * status and rusage filled in (on Linux; zeros elsewhere), 0 if it runs,
  * -1 with errno (ECHILD: not a child, or reaped by somebody else). */

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -247,6 +248,36 @@ def test_wait_wakes_its_caller_for_the_deciding_exit_only(tmp_path, kill_on_bad_
         assert 0.5 <= elapsed < 1.15 and result.failures[0].terminated_by_launcher
     else:
         assert elapsed >= 1.6 and sorted(result.resources) == [0, 1, 2, 3]
+
+
+def test_the_waiting_thread_sleeps_through_the_exits_that_decide_nothing(tmp_path):
+    # Six ranks exit 0.15 s apart, all with status 0: only the last exit
+    # decides.  The thread in wait() is woken when one rank is left (from
+    # then on it watches that rank's exit itself) and by the last exit; the
+    # four exits before are the I/O thread's alone.  Each wake-up of the
+    # waiting thread ends a sleep of it: counted from the kernel's own tally
+    # of that thread's voluntary context switches (RUSAGE_THREAD), not from
+    # the clock.
+    ctx = launch("sleep", {r: (f"{0.3 + 0.15 * r:.2f}",) for r in range(6)}, log_dir=tmp_path)
+    seen = {}
+
+    def waiter():
+        before = resource.getrusage(resource.RUSAGE_THREAD)
+        seen["result"] = ctx.wait(30)
+        after = resource.getrusage(resource.RUSAGE_THREAD)
+        seen["sleeps"] = after.ru_nvcsw - before.ru_nvcsw
+
+    thread = threading.Thread(target=waiter)
+    try:
+        thread.start()
+        thread.join(30)
+    finally:
+        ctx.close(signal.SIGKILL, 0)
+    result = seen["result"]
+    assert result is not None and not result.is_failed() and sorted(result.resources) == list(range(6))
+    # (Two or three: a contended lock is a sleep too.  Woken by every exit,
+    # it was 6 to 10.)
+    assert seen["sleeps"] <= 4, seen["sleeps"]
 
 
 def test_context_manager_closes(tmp_path):

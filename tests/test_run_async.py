@@ -314,6 +314,36 @@ def test_wait_async_timeout_and_then_the_result(arun, tmp_path):
     arun(main())
 
 
+@pytest.mark.parametrize("kill_on_bad_exit", [True, False])
+def test_wait_async_wakes_the_loop_for_the_deciding_exit_only(arun, tmp_path, monkeypatch, kill_on_bad_exit):
+    # Five ranks exit 0.15 s apart; the third fails.  The I/O thread wakes the
+    # loop for this wait once the result is decided (the failure under
+    # fail-fast, else the last exit), not for each exit before it: each such
+    # wake-up is Python run on the loop.  (A fail-fast close() that follows
+    # watches the siblings' exits through a waiter of its own.)
+    notes: dict[int, int] = {}
+    note = _aio.GroupWaiter._note
+
+    def counted(self):
+        notes[self.token] = notes.get(self.token, 0) + 1
+        note(self)
+
+    monkeypatch.setattr(_aio.GroupWaiter, "_note", counted)
+
+    async def main():
+        ctx = launch("sh", {r: ("-c", f"sleep {0.3 + 0.15 * r:.2f}; exit {3 if r == 2 else 0}") for r in range(5)},
+                     log_dir=tmp_path, kill_on_bad_exit=kill_on_bad_exit)
+        try:
+            return await ctx.wait_async()
+        finally:
+            ctx.close(signal.SIGKILL, 0)
+
+    result = arun(main())
+    assert list(result.failures) == ([2, 3, 4] if kill_on_bad_exit else [2])
+    # The wait's waiter is the first to get a note (the close's comes after).
+    assert notes and notes[next(iter(notes))] == 1, notes
+
+
 def term_ignored_then_a_failure(tmp_path: Path) -> dict[int, tuple[str, ...]]:
     """Rank 1 ignores SIGTERM; rank 0 fails 0.1 s after rank 1 said so (after
     a fixed delay alone, a loaded machine had rank 1 killed by the SIGTERM

@@ -258,11 +258,13 @@ class CommandWaiter(_Waiter):
 class GroupWaiter(_Waiter):
     """A context's native group, waited for on this loop."""
 
-    def __init__(self, watch: _Watch, group: _core.Group) -> None:
+    def __init__(self, watch: _Watch, group: _core.Group, fail_fast: bool | None = None) -> None:
+        """fail_fast None: woken by every change; True or False: only once
+        the result is decided (Group.watch's until_decided)."""
         super().__init__(watch)
         self.group = group
         try:
-            group.watch(watch.notifier, self.token)
+            group.watch(watch.notifier, self.token, fail_fast is not None, bool(fail_fast))
         except BaseException:
             self.close()
             raise
@@ -282,14 +284,17 @@ class GroupWaiter(_Waiter):
         super().close()
 
 
-async def wait_group(group: _core.Group, decided: Callable[[], bool], timeout: float | None) -> bool:
-    """Until decided() holds, looked at again whenever the group's state
-    moves on, or timeout seconds pass (None: no limit); False on the
-    timeout.  A group released meanwhile counts as decided."""
+async def wait_group(group: _core.Group, decided: Callable[[], bool], timeout: float | None,
+                     fail_fast: bool) -> bool:
+    """Until decided() holds, or timeout seconds pass (None: no limit);
+    False on the timeout.  decided() is looked at again when the core says
+    the group's result is decided (every rank exited, or with fail_fast one
+    failed) or the wait was interrupted: the loop sleeps through the exits
+    before.  A group released meanwhile counts as decided."""
     deadline = None if timeout is None else time.monotonic() + timeout
     watch = acquire()
     try:
-        waiter = GroupWaiter(watch, group)
+        waiter = GroupWaiter(watch, group, fail_fast)
         try:
             while True:
                 try:

@@ -428,7 +428,7 @@ class _NativeContext(PContext):
             return self._poll()
         if not await _aio.wait_group(
                 group, lambda: self._result is not None or self._closed or self._decided(self._snapshot()[1]),
-                None if timeout is None or timeout < 0 else timeout):
+                None if timeout is None or timeout < 0 else timeout, self.kill_on_bad_exit):
             return None
         if not self._closed:
             await self._close_async(signal.SIGTERM, self.fail_fast_timeout)
