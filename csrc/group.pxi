@@ -1,5 +1,13 @@
 # Included by _core.pyx: Group, the native side of one PContext.
 
+cdef inline int decided_flags(bint until_decided, bint fail_fast) noexcept:
+    """torchmp_group_wait's and torchmp_group_watch's flags for a waiter
+    that wants the deciding change only (0: every change)."""
+    if not until_decided:
+        return 0
+    return TORCHMP_WAIT_DECIDED | (TORCHMP_WAIT_FAIL_FAST if fail_fast else 0)
+
+
 cdef class Group:
     """The native side of one PContext: its ranks, their streams and exits.
 
@@ -485,19 +493,13 @@ cdef class Group:
         cdef int rc, err
         cdef int watch_exits = 1
         cdef int signal_fd = -1
-        cdef int flags = 0
+        # The core sleeps through the exits that decide nothing, and says
+        # after each wake-up whether they decided (_moved_undecided).
+        cdef int flags = decided_flags(until_decided, fail_fast)
         cdef int64_t wait_ns
-        cdef torchmp_proc_info *info = NULL
         import time
         self._enter()
         try:
-            if until_decided:
-                info = <torchmp_proc_info *>calloc(self.nprocs if self.nprocs else 1, sizeof(torchmp_proc_info))
-                if info == NULL:
-                    raise MemoryError()
-                # The core sleeps through the exits that decide nothing;
-                # _moved_undecided stays the judge of what it wakes for.
-                flags = TORCHMP_WAIT_DECIDED | (TORCHMP_WAIT_FAIL_FAST if fail_fast else 0)
             deadline = None if timeout < 0 else time.monotonic() + timeout
             # (csrc/signal_wake.pxi) Then the handlers of signals that came
             # before the watch began; those after it wake the sleep below.
@@ -518,8 +520,8 @@ cdef class Group:
                 if rc < 0 and err != EINTR:
                     raise OSError(err, strerror(err).decode())
                 if rc > 0:
-                    if info == NULL or self.release_pending or not self._moved_undecided(info, &known_version,
-                                                                                         fail_fast):
+                    if not until_decided or self.release_pending or not self._moved_undecided(&known_version,
+                                                                                              fail_fast):
                         return True
                 if rc < 0:
                     signal_wake_empty(signal_fd, None)
@@ -528,24 +530,15 @@ cdef class Group:
                 if rc == 0 and (wait_ns == 0 or deadline is not None and time.monotonic() >= deadline):
                     return False
         finally:
-            free(info)
             signal_wake_end(signal_fd)
             self._leave()
 
-    cdef bint _moved_undecided(self, torchmp_proc_info *info, uint64_t *known_version, bint fail_fast):
+    cdef bint _moved_undecided(self, uint64_t *known_version, bint fail_fast):
         """After a change: whether it only recorded exits that decide
         nothing (then *known_version is the new counter, to wait on).  A wake
         with the counter unmoved (an interrupt) is for the caller."""
-        cdef uint64_t version = torchmp_group_snapshot(self.g, info, self.nprocs)
-        cdef int i, exited = 0
-        if version == known_version[0]:
-            return False
-        for i in range(self.nprocs):
-            if info[i].state == TORCHMP_PROC_EXITED:
-                exited += 1
-                if fail_fast and info[i].wait_status != 0:
-                    return False
-        if exited == self.nprocs:
+        cdef uint64_t version = 0
+        if torchmp_group_decided(self.g, fail_fast, &version) or version == known_version[0]:
             return False
         known_version[0] = version
         return True
@@ -555,11 +548,9 @@ cdef class Group:
         counter moves or the group is released (until unwatch).
         until_decided (and fail_fast): only once the result is decided, as
         for wait()."""
-        cdef int flags = 0
         self._ours()
-        if until_decided:
-            flags = TORCHMP_WAIT_DECIDED | (TORCHMP_WAIT_FAIL_FAST if fail_fast else 0)
-        check(torchmp_group_watch(self.g, notifier.ptr(), token, flags), b"watching the group")
+        check(torchmp_group_watch(self.g, notifier.ptr(), token, decided_flags(until_decided, fail_fast)),
+              b"watching the group")
 
     def unwatch(self, Notifier notifier not None):
         if self.g != NULL and notifier.n != NULL:

@@ -21,13 +21,30 @@
 
 /* ---- exits -------------------------------------------------------------- */
 
+/* Whether the exits recorded so far decide a context's result: every rank
+ * exited, or (fail_fast) one failed.  Caller holds mu. */
+static int group_result_decided_locked(const torchmp_group *g, int fail_fast)
+{
+    return g->exited == g->nprocs || (fail_fast && g->failed > 0);
+}
+
 /* Whether a change is one that a waiter or watcher sleeping through the
- * exits that decide nothing (TORCHMP_WAIT_DECIDED) wakes for: every rank
- * exited, or (fail_fast) one failed, or the wait was interrupted.  Caller
- * holds mu. */
+ * exits that decide nothing (TORCHMP_WAIT_DECIDED) wakes for: the result is
+ * decided, or the wait was interrupted.  Caller holds mu. */
 static int group_decided_locked(const torchmp_group *g, int fail_fast)
 {
-    return g->interrupted || g->exited == g->nprocs || (fail_fast && g->failed > 0);
+    return g->interrupted || group_result_decided_locked(g, fail_fast);
+}
+
+int torchmp_group_decided(torchmp_group *g, int fail_fast, uint64_t *version)
+{
+    torchmp_loop *L = g->loop;
+    int decided;
+    pthread_mutex_lock(&L->mu);
+    decided = group_result_decided_locked(g, fail_fast);
+    *version = g->version;
+    pthread_mutex_unlock(&L->mu);
+    return decided;
 }
 
 /* A waiter also wakes when one rank is left, to watch that rank's exit

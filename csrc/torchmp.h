@@ -568,6 +568,10 @@ enum {
  * readable, it ends the wait as EINTR does.  flags: TORCHMP_WAIT_*. */
 int torchmp_group_wait(torchmp_group *g, int64_t timeout_ns, uint64_t known_version, int *watch_exits,
                        int signal_fd, int flags);
+/* Whether the exits recorded so far decide a context's result (the rule of
+ * TORCHMP_WAIT_DECIDED, without the interrupt), and *version: the change
+ * counter they were read at. */
+int torchmp_group_decided(torchmp_group *g, int fail_fast, uint64_t *version);
 /* Whether child pid has exited, without reaping it: 1 with its wait(2)-style
  * status and rusage filled in (on Linux; zeros elsewhere), 0 if it runs,
  * -1 with errno (ECHILD: not a child, or reaped by somebody else). */
