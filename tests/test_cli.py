@@ -348,7 +348,13 @@ def test_signal_terminates_workers(torchmp_cli, tmp_path, sig):
                     "sh", "-c", f'sleep 30 & echo $$ > {tmp_path}/pid.$RANK.tmp; '
                                 f'mv {tmp_path}/pid.$RANK.tmp {tmp_path}/pid.$RANK; wait')
     pids = c.wait_pid_files([tmp_path / "pid.0", tmp_path / "pid.1"])
-    assert len(tagged(c.tag)) == 6  # torchmp run, its keeper, 2 workers, 2 grandchildren
+    # torchmp run, its keeper, 2 workers, 2 grandchildren -- once the `mv`
+    # that renamed the last pid file has exited too (under ASan, which every
+    # child preloads, its exit takes a while).
+    deadline = time.monotonic() + 10
+    while len(found := tagged(c.tag)) != 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(found) == 6, [(p.pid, p.name()) for p in found]
     os.kill(c.proc.pid, sig)
     code, out, err = c.communicate()
     assert code == 128 + sig
