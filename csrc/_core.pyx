@@ -7,7 +7,7 @@ report) lives in torchmp/api.py.
 """
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE, PyBytes_FromStringAndSize
 from cpython.exc cimport PyErr_CheckSignals
-from libc.errno cimport errno, EINTR
+from libc.errno cimport errno, EINTR, ECHILD
 from libc.stdint cimport int64_t, uint64_t
 from cpython.buffer cimport PyBuffer_FillInfo
 from libc.stdlib cimport calloc, free, malloc, realloc

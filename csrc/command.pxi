@@ -37,6 +37,27 @@ CommandInfo.__module__ = __name__
 cdef pid_t _commands_pid = 0
 
 
+def children_reaped_at_exit():
+    """Whether the kernel reaps this process's children at their exit, with
+    their status (SIGCHLD ignored: SIG_IGN, or SA_NOCLDWAIT): then no exit
+    status can be collected.  The disposition itself, which Python's
+    signal.getsignal does not see change outside Python."""
+    return bool(torchmp_children_reaped_at_exit())
+
+
+def check_exit_statuses_collectable():
+    """ChildProcessError (ECHILD) if the kernel would reap this process's
+    children at their exit, status and all (SIGCHLD ignored, set or
+    inherited): no exit of what a launch starts could be told, so every
+    launch path (contexts, run, run_async) refuses before anything starts."""
+    if torchmp_children_reaped_at_exit():
+        raise ChildProcessError(
+            ECHILD,
+            "SIGCHLD is ignored in this process (SIG_IGN, set or inherited): the kernel would reap every "
+            "child at its exit and its exit status would be lost; call signal.signal(signal.SIGCHLD, "
+            "signal.SIG_DFL) before starting processes")
+
+
 def backend_choice():
     """'epoll' or 'poll': the I/O backend this process uses, decided without
     starting the I/O thread.  With 'epoll' a command can be waited for in

@@ -176,6 +176,7 @@ cdef extern from "torchmp.h" nogil:
         pass
 
     int torchmp_loop_backend()
+    int torchmp_children_reaped_at_exit()
     torchmp_group *torchmp_group_new(int nprocs,
                                      const torchmp_filters *out_filters, int filtered_out_fd,
                                      const torchmp_filters *err_filters, int filtered_err_fd)

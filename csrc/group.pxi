@@ -419,16 +419,24 @@ cdef class Group:
 
     def snapshot(self):
         """(version, [ProcInfo per rank]) taken atomically from the I/O thread."""
-        cdef torchmp_proc_info *info
-        cdef uint64_t version
-        cdef int i
         if self.g == NULL:
             raise ValueError("worker group is closed")
+        return self._snapshot()
+
+    cdef torchmp_proc_info *_infos(self, uint64_t *version) except NULL:
+        """The ranks' records, taken atomically (the caller frees them)."""
+        cdef torchmp_proc_info *info
         info = <torchmp_proc_info *>calloc(self.nprocs if self.nprocs else 1, sizeof(torchmp_proc_info))
         if info == NULL:
             raise MemoryError()
+        version[0] = torchmp_group_snapshot(self.g, info, self.nprocs)
+        return info
+
+    cdef tuple _snapshot(self):
+        cdef uint64_t version
+        cdef int i
+        cdef torchmp_proc_info *info = self._infos(&version)
         try:
-            version = torchmp_group_snapshot(self.g, info, self.nprocs)
             make = tuple.__new__
             cls = ProcInfo
             ranks = [
@@ -441,6 +449,19 @@ cdef class Group:
         finally:
             free(info)
         return version, ranks
+
+    cdef bint _any_killed(self) except -1:
+        """Whether a rank's recorded exit was a death by SIGKILL."""
+        cdef uint64_t version
+        cdef int i
+        cdef torchmp_proc_info *info = self._infos(&version)
+        try:
+            for i in range(self.nprocs):
+                if info[i].state == TORCHMP_PROC_EXITED and (info[i].wait_status & 0x7f) == SIGKILL:
+                    return True
+            return False
+        finally:
+            free(info)
 
     def stream_state(self):
         """[StreamState] per rank: whether each teed pipe is still drained,
@@ -543,6 +564,16 @@ cdef class Group:
         known_version[0] = version
         return True
 
+    def decided(self, bint fail_fast=True):
+        """Whether the exits recorded so far decide a context's result:
+        every rank exited, or (fail_fast) one exited with a status other
+        than 0 -- the rule wait(until_decided=True) sleeps on, so that a
+        woken wait() need not take a snapshot to apply it again."""
+        cdef uint64_t version = 0
+        if self.g == NULL:
+            raise ValueError("worker group is closed")
+        return bool(torchmp_group_decided(self.g, fail_fast, &version))
+
     def watch(self, Notifier notifier not None, uint64_t token, bint until_decided=False, bint fail_fast=True):
         """Post NOTE_CHANGED with token to notifier whenever the change
         counter moves or the group is released (until unwatch).
@@ -592,15 +623,20 @@ cdef class Group:
     def busy(self):
         """The ranks whose process group still has a living process: the
         leader, or anything left in the group after the leader exited."""
+        self._ours()
+        return self._busy()
+
+    cdef list _busy(self):
         cdef unsigned char *flags
         cdef int i, n
-        self._ours()
         flags = <unsigned char *>calloc(self.nprocs if self.nprocs else 1, 1)
         if flags == NULL:
             raise MemoryError()
         try:
             n = torchmp_group_busy(self.g, flags)
             check(n, b"scanning the workers' process groups")
+            if n == 0:
+                return []
             return [i for i in range(self.nprocs) if flags[i]]
         finally:
             free(flags)
@@ -609,9 +645,12 @@ cdef class Group:
         """torchmp is done signalling: reap every exited rank's zombie.
         Returns the pids of forkserver workers, whose zombies the
         forkserver holds until it is told to let them go."""
+        self._ours()
+        return self._reap()
+
+    cdef list _reap(self):
         cdef pid_t *forkserver_pids
         cdef int i, n
-        self._ours()
         forkserver_pids = <pid_t *>calloc(self.nprocs if self.nprocs else 1, sizeof(pid_t))
         if forkserver_pids == NULL:
             raise MemoryError()
@@ -626,9 +665,32 @@ cdef class Group:
         """Drain buffered output, flush partial lines and close every tee
         pipe and log file of the group."""
         self._ours()
+        self._finish_streams()
+
+    cdef int _finish_streams(self) except -1:
         self._enter()
         try:
             with nogil:
                 torchmp_group_finish_streams(self.g)
         finally:
             self._leave()
+        return 0
+
+    def close_quiet(self, bint unless_killed=False):
+        """close() of a group with nothing left to stop, in one call: if
+        every rank has exited and left nothing alive in its process group
+        (after adopting what an interrupted launch forked), reap the
+        zombies, finish every stream and return (the forkserver pids to
+        let go, the final snapshot) -- adopt_forked(), busy(), reap(),
+        finish_streams() and snapshot() in that order, without a trip
+        through Python between them: this is the path from the deciding
+        exit to wait()'s return.  None, with nothing done, if anything is
+        still alive, or (unless_killed) a rank died of SIGKILL, whose zombie
+        must pin its pid until the caller has asked the OOM killer."""
+        self._ours()
+        self.adopt_forked()  # (what torchmp._launch.adopt_interrupted asks for)
+        if self._busy() or (unless_killed and self._any_killed()):
+            return None
+        forkserver_pids = self._reap()
+        self._finish_streams()
+        return forkserver_pids, self._snapshot()

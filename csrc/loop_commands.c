@@ -142,14 +142,29 @@ void torchmp_loop_command_event(torchmp_loop *L, command_watch *w)
     maybe_done(L, c);
 }
 
-void torchmp_loop_commands_scan(torchmp_loop *L)
+/* Records the exits found; how many. */
+int torchmp_loop_commands_scan(torchmp_loop *L)
 {
     torchmp_command *c, *next;
+    int found = 0;
     for (c = L->commands; c != NULL; c = next) {
         next = c->next;
-        if (c->pidfd < 0 && !(torchmp_command_state(c) & TORCHMP_CMD_EXITED) && torchmp_command_collect(c))
+        if (c->pidfd < 0 && !(torchmp_command_state(c) & TORCHMP_CMD_EXITED) && torchmp_command_collect(c)) {
             on_exited(L, c);
+            found++;
+        }
     }
+    return found;
+}
+
+/* Whether a watched command's exit is still to be found by a scan. */
+int torchmp_loop_commands_awaited(torchmp_loop *L)
+{
+    for (torchmp_command *c = L->commands; c != NULL; c = c->next) {
+        if (c->pidfd < 0 && !(torchmp_command_state(c) & TORCHMP_CMD_EXITED))
+            return 1;
+    }
+    return 0;
 }
 
 void torchmp_loop_commands_tick(torchmp_loop *L)

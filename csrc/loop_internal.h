@@ -333,6 +333,9 @@ typedef struct torchmp_loop {
     size_t follow_map_cap, follow_count;
     stream_list follow_dirty;  /* followed logs that may have bytes to read, in turn */
     int64_t follow_retry_ns;   /* out of fds: read again then (0: not waiting) */
+    /* poll backend, while an exit is awaited: the next look at whether the
+     * program took SIGCHLD (0: not armed; loop_thread.c) */
+    int64_t exit_look_ns;
 } torchmp_loop;
 
 /* ---- commands (command.c, loop_commands.c) ------------------------------ */
@@ -486,7 +489,8 @@ int torchmp_loop_rank_adopt_here(torchmp_loop *L, torchmp_proc *p, pid_t pid, in
 #endif
 void torchmp_loop_proc_exit_event(torchmp_loop *L, torchmp_proc *p);
 void torchmp_loop_proc_forkserver_exit(torchmp_loop *L, torchmp_proc *p, int at_eof);
-void torchmp_loop_reap_scan(torchmp_loop *L);
+int torchmp_loop_reap_scan(torchmp_loop *L);
+int torchmp_loop_ranks_awaited(const torchmp_loop *L);
 void torchmp_loop_proc_reap_locked(torchmp_proc *p);
 
 /* ---- command.c (shared with the loop thread) ----------------------------- */
@@ -511,7 +515,8 @@ void torchmp_command_unref(torchmp_command *c);
 
 void torchmp_loop_command_add(torchmp_loop *L, torchmp_command *c);
 void torchmp_loop_command_event(torchmp_loop *L, command_watch *w);
-void torchmp_loop_commands_scan(torchmp_loop *L);
+int torchmp_loop_commands_scan(torchmp_loop *L);
+int torchmp_loop_commands_awaited(torchmp_loop *L);
 void torchmp_loop_commands_tick(torchmp_loop *L);
 void torchmp_loop_commands_collect(torchmp_loop *L);
 int torchmp_loop_commands_timeout_ms(torchmp_loop *L);

@@ -324,14 +324,30 @@ void torchmp_loop_proc_forkserver_exit(torchmp_loop *L, torchmp_proc *p, int at_
         proc_record_exit(L, p, SIGKILL, 0, 0, 0, 1, 0);
 }
 
-void torchmp_loop_reap_scan(torchmp_loop *L)
+/* Whether a rank's exit may still be found by a scan: some group has a
+ * rank running (a forkserver's worker too, which the scan leaves to the
+ * forkserver: counting them apart would cost a pass over the ranks on every
+ * round of the loop). */
+int torchmp_loop_ranks_awaited(const torchmp_loop *L)
 {
+    for (const torchmp_group *g = L->groups; g != NULL; g = g->next) {
+        if (__atomic_load_n(&g->running, __ATOMIC_ACQUIRE) > 0)
+            return 1;
+    }
+    return 0;
+}
+
+/* Records the exits found; how many. */
+int torchmp_loop_reap_scan(torchmp_loop *L)
+{
+    int found = 0;
     for (torchmp_group *g = L->groups; g != NULL; g = g->next) {
         for (int i = 0; i < g->nprocs && g->running > 0; i++) {
             if (g->procs[i].info.state == TORCHMP_PROC_RUNNING && !g->procs[i].by_forkserver)
-                (void)proc_collect_claimed(L, &g->procs[i]);
+                found += proc_collect_claimed(L, &g->procs[i]);
         }
     }
+    return found;
 }
 
 /* ---- watching ----------------------------------------------------------- */

@@ -169,6 +169,79 @@ static int install_sigchld(int wake_fd)
     return sigaction(SIGCHLD, &sa, &previous_sigchld);
 }
 
+int torchmp_children_reaped_at_exit(void)
+{
+    struct sigaction current;
+    if (sigaction(SIGCHLD, NULL, &current) != 0)
+        return 0;
+    return (!(current.sa_flags & SA_SIGINFO) && current.sa_handler == SIG_IGN) ||
+           (current.sa_flags & SA_NOCLDWAIT) != 0;
+}
+
+/* The poll backend learns of exits from SIGCHLD, and the program can take
+ * that from it: a SIGCHLD handler installed after torchmp's replaces it
+ * (signal.signal, an asyncio child watcher), and a SIGCHLD blocked in every
+ * thread that could take it stays pending.  A wait would then never end, and
+ * torchmp.run would report a timeout for a command that exited long before.
+ * So while an exit is awaited the loop looks once a second whether SIGCHLD
+ * is taken (two system calls: is its handler still installed, is the signal
+ * pending); from a look that finds it taken, it scans for exits itself and
+ * looks again after 0.1 s, until SIGCHLD is its own again.  An exit is then
+ * seen at most 0.1 s late, or a second for the first one after the program
+ * took SIGCHLD while exits were awaited; an untaken SIGCHLD costs one wake-up
+ * a second.  The handler is not put back: the program chose its own
+ * (SIG_IGN even reaps for it). */
+#define EXIT_LOOK_NS (1000 * 1000000LL)
+#define EXIT_LOOK_TAKEN_NS (100 * 1000000LL)
+
+static int sigchld_taken(void)
+{
+    struct sigaction current;
+    sigset_t pending;
+    if (sigaction(SIGCHLD, NULL, &current) != 0 || !(current.sa_flags & SA_SIGINFO) ||
+        current.sa_sigaction != on_sigchld)
+        return 1;
+    /* This thread blocks every signal: pending here, SIGCHLD is either its
+     * own (never: nothing sends to this thread) or the process's, which no
+     * thread takes. */
+    return sigpending(&pending) != 0 || sigismember(&pending, SIGCHLD) == 1;
+}
+
+/* Poller timeout until the next look (-1: none, nothing is awaited),
+ * arming the looks while an exit is awaited. */
+static int exit_look_timeout_ms(torchmp_loop *L)
+{
+    int64_t now, left;
+    if (L->backend != TORCHMP_BACKEND_POLL)
+        return -1;
+    if (!torchmp_loop_ranks_awaited(L) && !torchmp_loop_commands_awaited(L)) {
+        L->exit_look_ns = 0;
+        return -1;
+    }
+    now = clock_ns(CLOCK_MONOTONIC);
+    if (L->exit_look_ns == 0)
+        L->exit_look_ns = now + (sigchld_taken() ? EXIT_LOOK_TAKEN_NS : EXIT_LOOK_NS);
+    left = L->exit_look_ns - now;
+    return left <= 0 ? 0 : (int)((left + 999999) / 1000000);
+}
+
+static void exit_look_if_due(torchmp_loop *L)
+{
+    int64_t now;
+    if (L->exit_look_ns == 0)
+        return;
+    now = clock_ns(CLOCK_MONOTONIC);
+    if (now < L->exit_look_ns)
+        return;
+    if (!sigchld_taken()) {
+        L->exit_look_ns = now + EXIT_LOOK_NS;
+        return;
+    }
+    L->exit_look_ns = now + EXIT_LOOK_TAKEN_NS;
+    (void)torchmp_loop_reap_scan(L);
+    (void)torchmp_loop_commands_scan(L);
+}
+
 /* ---- the thread --------------------------------------------------------- */
 
 static void run_commands(torchmp_loop *L)
@@ -249,9 +322,12 @@ static void *loop_main(void *arg)
         int timeout = torchmp_loop_streams_timeout_ms(L);
         int commands_timeout = torchmp_loop_commands_timeout_ms(L);
         int follow_timeout = torchmp_loop_follow_timeout_ms(L);
+        int look_timeout = exit_look_timeout_ms(L);
         int n;
         if (commands_timeout >= 0 && (timeout < 0 || commands_timeout < timeout))
             timeout = commands_timeout;
+        if (look_timeout >= 0 && (timeout < 0 || look_timeout < timeout))
+            timeout = look_timeout;
         if (follow_timeout >= 0 && (timeout < 0 || follow_timeout < timeout))
             timeout = follow_timeout;
         if (L->consoles_polled && (timeout < 0 || timeout > 10))
@@ -274,8 +350,8 @@ static void *loop_main(void *arg)
                 /* After the commands: a worker adopted just now may already
                  * have exited, its SIGCHLD spent on this very wake-up. */
                 if (L->backend == TORCHMP_BACKEND_POLL) {
-                    torchmp_loop_reap_scan(L);
-                    torchmp_loop_commands_scan(L);
+                    (void)torchmp_loop_reap_scan(L);
+                    (void)torchmp_loop_commands_scan(L);
                 }
             } else if (kind == WATCH_STREAM) {
                 stream *s = events[i].ptr;
@@ -297,6 +373,7 @@ static void *loop_main(void *arg)
         /* Whatever woke the loop: what was queued to wait for a wake-up. */
         if (__atomic_exchange_n(&L->quiet_queued, 0, __ATOMIC_ACQ_REL))
             run_commands(L);
+        exit_look_if_due(L);
         torchmp_loop_follow_pump(L);
         torchmp_loop_streams_tick(L);
         torchmp_loop_commands_tick(L);

@@ -478,6 +478,10 @@ typedef struct {
 /* Which backend the process-wide loop uses (starting it if needed), or -1. */
 int torchmp_loop_backend(void);
 
+/* Whether the kernel reaps this process's children at their exit, status
+ * and all: SIGCHLD's disposition is SIG_IGN, or has SA_NOCLDWAIT. */
+int torchmp_children_reaped_at_exit(void);
+
 /* A group of nprocs ranks.  The filters are copied.  filtered_*_fd are dup'ed
  * (-1: none).  NULL with errno on failure. */
 torchmp_group *torchmp_group_new(int nprocs,

@@ -393,3 +393,20 @@ def can_unshare_pid() -> bool:
         [unshare, "--pid", "--fork", "--mount-proc", "sh", "-c", "echo $$ > /proc/sys/kernel/ns_last_pid"],
         capture_output=True, timeout=10)
     return probe.returncode == 0
+
+
+def interrupt_once_started(code, seen: dict[str, int]):
+    """A ``sys.settrace`` hook: in the frames of ``code`` (run's or
+    run_async's), at the first line after its local ``cmd`` (the started
+    command) is set, note the command's pid in ``seen["pid"]`` and raise
+    KeyboardInterrupt there -- what a signal's handler does when a tracer
+    (coverage, a debugger) lets it run at any line."""
+    def in_frame(frame, event, arg):
+        if event == "line" and "pid" not in seen:
+            cmd = frame.f_locals.get("cmd")
+            if cmd is not None:
+                seen["pid"] = cmd.pid
+                raise KeyboardInterrupt
+        return in_frame
+
+    return lambda frame, event, arg: in_frame if frame.f_code is code else None

@@ -22,7 +22,8 @@ import torchmp
 from torchmp import _core
 from torchmp._launch.command import DRAIN_SECONDS, GRACE_SECONDS
 
-from helpers import Launchers, fd_target, kill_groups, pid_alive, read_pids, run_launcher, tagged, wait_gone
+from helpers import (Launchers, fd_target, interrupt_once_started, kill_groups, pid_alive, read_pids, run_launcher,
+                     tagged, wait_gone)
 
 PY = sys.executable
 # Under load (CI runs two suites side by side) a fork+exec can take a while:
@@ -438,6 +439,29 @@ def test_an_interrupt_stops_the_command_and_goes_on(tmp_path):
         signal.signal(signal.SIGALRM, previous)
     assert "pid" in seen, "the command never wrote its pid"
     assert wait_gone([seen["pid"]], 2) == []
+
+
+def test_an_interrupt_right_after_the_start_stops_the_command_before_it_goes_on():
+    # Under a tracer (coverage, a debugger, a profiler) a signal's handler
+    # can run at any line, here the first one after run() got its command:
+    # the command must be stopped there too, before the interrupt goes on,
+    # not left running for as long as someone holds the traceback.
+    seen: dict[str, int] = {}
+    previous = sys.gettrace()
+    sys.settrace(interrupt_once_started(torchmp.run.__code__, seen))
+    try:
+        with pytest.raises(KeyboardInterrupt) as interrupted:
+            torchmp.run(["sleep", "30"])
+    finally:
+        sys.settrace(previous)
+    try:
+        assert "pid" in seen, "run() never held its command"
+        # Gone while the traceback (and run()'s frame) still lives: stopped
+        # (with the poll backend, before the command is watched: SIGKILLed).
+        assert wait_gone([seen["pid"]], 2) == []
+    finally:
+        del interrupted
+        kill_groups(list(seen.values()))
 
 
 @pytest.mark.skipif(_core.PORTABLE_BUILD, reason="the portable build forks its keeper")

@@ -36,6 +36,15 @@ from torchmp.logs_specs import LogsSpecs
 logger = logging.getLogger("torchmp.api")
 
 
+def reaped_elsewhere_reason() -> str:
+    """Why a child's exit status was lost when torchmp did not reap it."""
+    if _core.children_reaped_at_exit():  # ignored since the launch (it is checked then)
+        return ("its exit status was lost: SIGCHLD is ignored in this process (SIG_IGN), so the kernel "
+                "reaped it at its exit")
+    return ("its exit status was lost: another part of this process reaped it "
+            "(a waitpid(-1) or SIGCHLD handler outside torchmp)")
+
+
 class _NativeContext(PContext):
     """A PContext whose workers the native I/O thread starts, watches and
     reaps.  Subclasses only say how each rank is started (``_launch``)."""
@@ -72,6 +81,7 @@ class _NativeContext(PContext):
         mem_bind: str | None = None,
     ) -> None:
         # Every check runs before reify() creates any directory.
+        _core.check_exit_statuses_collectable()
         name = check_name(name)
         args = normalize_args(args)
         envs = normalize_envs(envs, len(args))
@@ -144,9 +154,7 @@ class _NativeContext(PContext):
         return None
 
     def _lost_status_reason(self, rank: int) -> str:
-        return self._launcher.lost_status_reason() or (
-            "its exit status was lost: another part of this process reaped it "
-            "(a waitpid(-1) or SIGCHLD handler outside torchmp)")
+        return self._launcher.lost_status_reason() or reaped_elsewhere_reason()
 
     # -- start ------------------------------------------------------------
     def _prefix(self, rank: int) -> bytes:
@@ -410,8 +418,11 @@ class _NativeContext(PContext):
                     return None
             try:
                 # Woken for the exit that decides (the last one, or a failure
-                # under fail-fast), not for each one before it.
-                group.wait(remaining, version, True, self.kill_on_bad_exit)
+                # under fail-fast), not for each one before it; the core's
+                # word on it saves _poll's snapshot on the way to the result.
+                if (group.wait(remaining, version, True, self.kill_on_bad_exit)
+                        and group.decided(self.kill_on_bad_exit)):
+                    return self._result if self._result is not None else self._finish()
             except ValueError:
                 pass  # closed by another thread or a handler: _poll has the result
 
@@ -481,10 +492,9 @@ class _NativeContext(PContext):
                 return
             group = self._group
             try:
-                if self._nothing_to_stop(group):
-                    killed = False  # what the policy concludes, without building it
-                else:
-                    killed = _shutdown.run_blocking(self._stop_steps(group, death_sig, timeout), group.wait)
+                if self._close_quiet(group):
+                    return
+                killed = _shutdown.run_blocking(self._stop_steps(group, death_sig, timeout), group.wait)
                 self._after_stop(group, killed)
             except ValueError:
                 # A signal handler on this thread closed the context while
@@ -503,6 +513,8 @@ class _NativeContext(PContext):
                 return
             group = self._group
             try:
+                if self._close_quiet(group):
+                    return
                 killed = await _aio.drive_group(self._stop_steps(group, death_sig, timeout), group)
                 self._after_stop(group, killed)
             except ValueError:
@@ -510,18 +522,6 @@ class _NativeContext(PContext):
                     raise
         finally:
             self._close_lock.release()
-
-    def _nothing_to_stop(self, group: _core.Group) -> bool:
-        """Whether every rank exited and left nothing in its process group:
-        the common close() (the one wait() makes once all ranks are done)
-        then signals nobody, and the policy's machinery is skipped -- it is
-        on the path from the last exit to wait()'s return."""
-        adopt_interrupted(group)
-        ranks = group.snapshot()[1]
-        if any(info.state == _core.PROC_RUNNING for info in ranks) or group.busy():
-            return False
-        self._oom_suspects = self._oom_watch is not None and self._unsent_sigkills(ranks)
-        return True
 
     def _stop_steps(self, group: _core.Group, death_sig: signal.Signals,
                     timeout: float) -> Generator[_shutdown.Wait, None, bool]:
@@ -569,16 +569,39 @@ class _NativeContext(PContext):
             # there is a SIGKILL to explain.
             self._oom_watch.stop(self._oom_suspects)
         # After reap() no group id of this context is signalled again.
-        self._launcher.release(group.reap())
+        forkserver_pids = group.reap()
         group.finish_streams()
+        self._let_go(group, forkserver_pids, group.snapshot())
+
+    def _close_quiet(self, group: _core.Group) -> bool:
+        """The common close(), the one wait() makes once every rank is done:
+        nothing is left to stop, so the shutdown policy is not built and
+        the group is closed in one native call (this is on the path from
+        the last exit to wait()'s return).  False, with nothing done, if
+        something is left to stop, or a rank died of a SIGKILL while the
+        OOM killer is watched (the policy's path asks it, before the reap)."""
+        quiet = group.close_quiet(unless_killed=self._oom_watch is not None)
+        if quiet is None:
+            return False
+        self._oom_suspects = False
+        if self._oom_watch is not None:
+            self._oom_watch.stop(False)
+        self._let_go(group, *quiet)
+        return True
+
+    def _let_go(self, group: _core.Group, forkserver_pids: list[int],
+                final: tuple[int, list[_core.ProcInfo]]) -> None:
+        """The end of every close(): the ranks are reaped and their streams
+        finished; keep what the result needs and release the native group."""
+        self._launcher.release(forkserver_pids)
         if self._forwarder is not None:
             # What the objects still have to show is written by the
             # forwarding thread; close() does not wait for it.
             self._forwarder.detach()
         # Free the native side now (fds included) rather than whenever the
         # garbage collector gets to this object.
-        self._final = group.snapshot()
-        self._keep_tails(group, self._final[1])
+        self._final = final
+        self._keep_tails(group, final[1])
         self._before_release(group)
         # Closed before the release: an interrupt landing in between must not
         # make a retried close() use a released group.

@@ -116,6 +116,7 @@ class _Call:
 
     def start(self) -> _core.Command:
         try:
+            _core.check_exit_statuses_collectable()
             return self.plan.start()
         finally:
             self.plan.close()
@@ -204,29 +205,37 @@ def run(args: Any, *, stdin: Any = None, input: Any = None, stdout: Any = None, 
     """
     call = _Call(args, stdin, input, stdout, stderr, capture_output, shell, cwd, timeout, check, encoding, errors,
                  text, env, universal_newlines, executable, pass_fds, max_output, popen_kwargs)
-    cmd = call.start()
+    here = _waits_here()
+    cmd: _core.Command | None = None
+    waitable = here  # cmd.wait works: what stopping it with the grace takes
     notifier = None
     try:
-        if not _waits_here():
-            # No pidfd: only the I/O thread sees the exit; it wakes this
-            # thread through a notifier of its own.
-            notifier = _core.Notifier()
-            cmd.watch(notifier, 0)
         try:
+            cmd = call.start()
+            if not here:
+                # No pidfd: only the I/O thread sees the exit; it wakes this
+                # thread through a notifier of its own.
+                notifier = _core.Notifier()
+                cmd.watch(notifier, 0)
+                waitable = True
             finished = cmd.wait(-1.0 if call.timeout is None else call.timeout, _core.UNTIL_EXITED)
             if cmd.busy():  # what is left of the group (usually nothing)
                 _command.stop_blocking(cmd)
         except BaseException:
-            # Interrupted (Ctrl-C): the command, in a session of its own, got
-            # nothing; stop it the same way, then let the interrupt go on.
-            _command.stop_blocking(cmd)
+            # Interrupted (Ctrl-C, a handled signal) at any point once it
+            # started: the command, in a session of its own, got nothing;
+            # stop it the same way, then let the interrupt go on.  (Before
+            # it could be waited for, close() below kills it.)
+            if cmd is not None and waitable:
+                _command.stop_blocking(cmd)
             raise
         if cmd.state & _core.CMD_EXITED:
             cmd.wait(-1.0, _core.UNTIL_DONE)  # the rest of the output: at most DRAIN_SECONDS
             cmd.reap()
         return call.result(cmd, finished)
     finally:
-        cmd.close()  # anything not reaped by now: SIGKILL, reaped by the I/O thread
+        if cmd is not None:
+            cmd.close()  # anything not reaped by now: SIGKILL, reaped by the I/O thread
         if notifier is not None:
             notifier.close()
 
@@ -256,11 +265,15 @@ async def run_async(args: Any, *, stdin: Any = None, input: Any = None, stdout: 
                  text, env, universal_newlines, executable, pass_fds, max_output, popen_kwargs)
     watch = _aio.acquire()
     try:
-        cmd = call.start()
+        started: _core.Command | None = None
         try:
+            cmd = started = call.start()
             waiter = _aio.CommandWaiter(watch, cmd)
         except BaseException:
-            cmd.close()
+            # (An interrupt right after the start too: the command is killed
+            # now, not when the traceback that holds it is dropped.)
+            if started is not None:
+                started.close()
             raise
         try:
             try:

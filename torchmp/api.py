@@ -49,7 +49,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, overload
 
-from torchmp import _console, _escapees
+from torchmp import _console, _core, _escapees
 from torchmp._functions import MultiprocessContext
 from torchmp._inputs import (
     DEFAULT_STDERR_TAIL_LINES as DEFAULT_STDERR_TAIL_LINES,
@@ -324,6 +324,7 @@ def start_processes(  # type: ignore[misc]  # one body for both overloads: its 5
     # every rank's env, and no bad input may leave this process a subreaper).
     subreaper_id = None
     if subreaper:
+        _core.check_exit_statuses_collectable()
         name = check_name(name)
         args = normalize_args(args)
         envs = normalize_envs(envs, len(args))
