@@ -264,6 +264,21 @@ def test_failure_fail_fast_report_and_exit_code(run, tmp_path):
     assert elapsed < 60, err  # fail-fast, not the sleep
 
 
+def test_an_ignored_sigchld_is_set_back_so_every_exit_is_told(torchmp_cli, tmp_path):
+    # Started with SIGCHLD ignored (SIG_IGN: a wrapper can leave it so, and
+    # it is inherited across exec), the kernel would reap every rank at its
+    # exit, status and all; torchmp run puts the default back first.
+    la = torchmp_cli("run", "-n", "2", "--log-dir", str(tmp_path), "--",
+                     "sh", "-c", '[ "$RANK" = 1 ] && { sleep 0.3; exit 3; }; exit 0',
+                     preamble="import signal, sys\nsignal.signal(signal.SIGCHLD, signal.SIG_IGN)")
+    code, out, err = la.communicate(60)
+    assert wait_no_tagged(la.tag) == []
+    assert code == 3, err
+    assert "status was lost" not in err
+    rows = summary_rows(err)
+    assert (rows[0]["exit"], rows[1]["exit"], rows[1]["note"]) == ("0", "3", "root cause")
+
+
 def test_signal_death_exit_code_is_128_plus_signal(run, tmp_path):
     code, out, err = run("run", "-n", "2", "--log-dir", str(tmp_path), "--",
                          "sh", "-c", '[ "$RANK" = 0 ] && kill -KILL $$; exec sleep 30')

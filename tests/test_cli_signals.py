@@ -235,3 +235,34 @@ def test_sigterm_while_the_report_thread_starts_stops_the_job_the_normal_way(tmp
         assert "torchmp: got SIGTERM: terminated the workers" in la.err, output
         assert not any("Traceback" in line for line in la.err), output
     assert wait_no_tagged(la.tag) == []
+
+
+# torchmp run with a SIGTERM as it flushes its console for the last time,
+# the job over: the handler raises inside settle_console's flush.
+LAST_FLUSH = textwrap.dedent("""\
+    import os, signal, sys
+    from torchmp.cli import main
+    from torchmp.cli.console import settle_console
+
+    settle = settle_console.__code__
+
+    def at_the_last_flush(frame, event, arg):
+        if event == "c_return" and frame.f_code is settle:
+            sys.setprofile(None)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    sys.setprofile(at_the_last_flush)
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def test_sigterm_at_the_last_flush_exits_as_a_signal_does(tmp_path):
+    (tmp_path / "hooked.py").write_text(LAST_FLUSH)
+    with Launchers(follow=True) as launchers:
+        la = launchers.start([sys.executable, "hooked.py", "-n", "2", "--log-dir", str(tmp_path / "logs"), "--",
+                              "true"], cwd=tmp_path, unset=UNSET)
+        code = la.finish()
+        output = "stderr:\n" + "\n".join(la.err) + "\nstdout:\n" + "\n".join(la.out)
+        assert code == 128 + signal.SIGTERM, output
+        assert not any("Traceback" in line for line in la.err), output
+    assert wait_no_tagged(la.tag) == []

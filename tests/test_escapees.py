@@ -15,6 +15,7 @@ process-wide setting, not one to leave in the test process.
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -105,6 +106,60 @@ def test_escapees_are_stopped_after_a_failure_too(run, tmp_path):
         assert la.err[-1].startswith("torchmp: 2 processes had left their rank's process group")
     finally:
         kill_groups(written(tmp_path))
+
+
+# torchmp run with its last escapee sweep (the one on its way out, grace 0)
+# hooked: SIGTERM comes again as that sweep makes its first system call.
+LAST_SWEEP = r"""
+import os, signal, sys
+from torchmp import _escapees
+from torchmp.cli import main
+
+sweep = _escapees.stop.__code__
+armed = []
+
+
+def in_the_last_sweep(frame, event, arg):
+    if frame.f_code is sweep:
+        if event == "call" and frame.f_locals.get("grace") == 0:
+            armed.append(True)
+        elif event == "c_return" and armed:
+            sys.setprofile(None)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+sys.setprofile(in_the_last_sweep)
+sys.exit(main(sys.argv[1:]))
+"""
+
+# A rank whose child leaves for a session of its own, the rank staying.
+STAYING_RANK = r"""
+setsid sh -c 'echo $$ >> "$0"; exec sleep 97' "$PWD/pids" &
+exec sleep 60
+"""
+
+
+@needs_subreaper
+def test_a_second_sigterm_during_the_last_sweep_does_not_cut_it_short(tmp_path):
+    # The first SIGTERM stops the job; shutting down, torchmp run sweeps the
+    # escapees once, on its way out.  A second SIGTERM there used to cut the
+    # sweep short (the escapees outlived the job) and leave main() as a
+    # traceback, exit 1.
+    (tmp_path / "hooked.py").write_text(LAST_SWEEP)
+    with Launchers(follow=True) as launchers:
+        la = launchers.start([sys.executable, "hooked.py", "-n", "2", "--log-dir", str(tmp_path / "logs"), "--",
+                              "/bin/sh", "-c", STAYING_RANK], cwd=tmp_path, unset=UNSET)
+        try:
+            pids = escapees(tmp_path)
+            la.proc.send_signal(signal.SIGTERM)
+            code = la.finish(60)
+            output = "\n".join(la.err)
+            assert code == 128 + signal.SIGTERM, output
+            assert not any("Traceback" in line for line in la.err), output
+            assert wait_gone(pids, 5) == []
+        finally:
+            kill_groups(written(tmp_path))
+    assert wait_no_tagged(la.tag) == []
 
 
 LIBRARY = """

@@ -419,6 +419,39 @@ def test_a_signal_while_the_report_thread_starts(report_handler, hold):
     assert not thread.is_alive() and reports._read_fd == reports._write_fd == -1
 
 
+def test_a_signal_as_stop_closes_the_pipe_leaves_no_second_close(report_handler):
+    # A handler that raises as stop() has closed the pipe's first end (the
+    # job shutting down after a SIGTERM): the second stop() on the job's way
+    # out must not close that number again -- EBADF, or by then someone
+    # else's file.
+    from torchmp._signals import SignalException, terminate_process_handler
+
+    signal.signal(signal.SIGUSR1, terminate_process_handler)  # the fixture puts it back
+    reports = _hang.ReportThread(signal.SIGUSR2, lambda asked: -1.0)
+    reports.arm()
+    reports.start()
+    stop_code = _hang.ReportThread.stop.__code__
+
+    def after_the_first_close(frame, event, arg):
+        if event == "c_return" and arg is os.close and frame.f_code is stop_code:
+            sys.setprofile(None)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)  # its handler raises here
+
+    sys.setprofile(after_the_first_close)
+    try:
+        with pytest.raises(SignalException):
+            reports.stop()
+    finally:
+        sys.setprofile(None)
+    someone_elses = os.open(os.devnull, os.O_RDONLY)  # likely the number just closed
+    try:
+        reports.stop()
+        os.fstat(someone_elses)  # still open
+    finally:
+        os.close(someone_elses)
+    assert reports._read_fd == reports._write_fd == -1
+
+
 def test_torchelastic_signals_to_handle_naming_sigusr2_wins(report_handler, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGUSR2")
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)

@@ -333,9 +333,9 @@ INTERRUPT_SCRIPT = """
     launches = iter(range(1_000_000))
 
     def launch():
-        # A log dir per launch: reify() removes an old attempt's directory
-        # with shutil.rmtree(ignore_errors=True), which can swallow the
-        # interrupt and leave the directory half removed.
+        # A log dir per launch: each launch a run of its own.  (A signal
+        # inside a reused spec's removal of the old attempt has a test of
+        # its own below.)
         specs = DefaultLogsSpecs(log_dir=os.path.join(sys.argv[4], str(next(launches))))
         if method == "exec":
             return torchmp.start_processes("intr", "sleep", args={r: ("30",) for r in range(nprocs)},
@@ -384,9 +384,13 @@ INTERRUPT_SCRIPT = """
             try:
                 killer.stdin.write(f"{random.uniform(0, span)}\\n")
                 killer.stdin.flush()
+                sent_by = time.monotonic() + span
                 ctx = launch()
-                # The signal is on its way (or was lost): its handler raises here.
-                deadline = time.monotonic() + 5
+                # The signal is on its way (or was lost): its handler raises
+                # here.  (Waited for from when the killer sends it at the
+                # latest: under a sanitizer the first launch, and so span,
+                # can be longer than a later launch by seconds.)
+                deadline = max(sent_by, time.monotonic()) + 5
                 while time.monotonic() < deadline:
                     time.sleep(0.001)
             except Exception as e:
@@ -434,9 +438,282 @@ def test_signal_anywhere_in_a_launch_leaves_no_untracked_worker(launcher, tmp_pa
     assert rc == 0, err[-3000:]
     words = out.split()
     assert words[:2] == ["leaks", "0"], out + err[-2000:]
-    assert int(words[3]) == runs, f"only {words[3]} of {runs} signals interrupted the launcher"
+    assert int(words[3]) == runs, f"only {words[3]} of {runs} signals interrupted the launcher\n{err[-2000:]}"
     # A handler's exception raised inside a fork hook is printed and dropped:
     # the launcher would carry on as if no signal had come.
+    assert "Exception ignored" not in err, err[-3000:]
+    assert wait_no_tagged(run.tag, 10) == []
+
+
+# A signal whose handler runs inside a console's write or flush, or while a
+# worker's return value is unpickled, stops the launcher as anywhere else.
+# Those calls sit in catch-alls for the console's own failures (an odd
+# object, a closed stream) or the value's.  The random signals above hit the
+# fork launch's flush once in thousands of runs and were swallowed: here the
+# console, or the value, sends the signal itself.
+TRIPPED_CONSOLE_SCRIPT = """
+    import logging, os, signal, sys, time
+    import psutil
+    import torchmp
+    from torchmp import DefaultLogsSpecs, SignalException
+    from torchmp._signals import install_handlers
+
+    where, log_dir = sys.argv[1], sys.argv[2]
+
+    class Tripwire:
+        # A console object whose first write or flush sends SIGTERM to its
+        # own process: the handler runs (and raises) inside that call.
+        def __init__(self, real, on):
+            self.real, self.on, self.armed = real, on, True
+
+        def _trip(self, call):
+            if self.armed and call == self.on:
+                self.armed = False
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        def write(self, text):
+            self._trip("write")
+            return self.real.write(text)
+
+        def flush(self):
+            self._trip("flush")
+            self.real.flush()
+
+    def trip():
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    class Tripped:
+        # Unpickled in the launcher, it sends the launcher SIGTERM.
+        def __reduce__(self):
+            return trip, ()
+
+    outcome = "not interrupted"
+    try:
+        if where == "return value":
+            ctx = torchmp.start_processes("tripped", Tripped, args={0: ()}, envs=None,
+                                          logs_specs=DefaultLogsSpecs(log_dir=log_dir), start_method="fork")
+            try:
+                ctx.wait(30)
+            finally:
+                ctx.close()
+        elif where == "fork launch":
+            # The fork launch flushes the launcher's streams first.
+            sys.stdout = Tripwire(sys.__stdout__, "flush")
+            ctx = torchmp.start_processes("tripped", time.sleep, args={0: (30,), 1: (30,)}, envs=None,
+                                          logs_specs=DefaultLogsSpecs(log_dir=log_dir), start_method="fork")
+            ctx.close()
+        else:
+            # torchmp's own words, on a console object, outside any launch.
+            install_handlers()
+            sys.stderr = Tripwire(sys.__stderr__, "write")
+            logging.getLogger("torchmp.api").warning("torchmp's own words")
+    except SignalException as e:
+        outcome = f"interrupted by {e.sigval.name}"
+    finally:
+        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+    alive = [p.pid for p in psutil.Process().children(recursive=True)
+             if p.status() != psutil.STATUS_ZOMBIE and "forkserver" not in " ".join(p.cmdline())]
+    print(outcome, "| alive:", alive, flush=True)
+"""
+
+
+@pytest.mark.parametrize("where", ["fork launch", "own words", "return value"])
+def test_a_signal_inside_a_catch_all_is_not_swallowed(launcher, tmp_path, where):
+    run = launcher(TRIPPED_CONSOLE_SCRIPT, where, str(tmp_path / "logs"))
+    rc, out, err = run.communicate(60)
+    assert rc == 0, err[-3000:]
+    assert out == "interrupted by SIGTERM | alive: []\n", out + err[-3000:]
+    assert "Exception ignored" not in err and "Logging error" not in err, err[-3000:]
+    assert wait_no_tagged(run.tag, 10) == []
+
+
+# A reused DefaultLogsSpecs clears the attempt's old directory (torch with
+# shutil.rmtree(ignore_errors=True), whose catch-all swallows what a handler
+# raises inside it).  A signal at every point of that removal where a
+# handler can run must stop the reify.
+REIFY_SCRIPT = """
+    import os, shutil, signal, sys
+    from torchmp import DefaultLogsSpecs, SignalException
+    from torchmp._signals import install_handlers
+
+    install_handlers()
+    specs = DefaultLogsSpecs(log_dir=sys.argv[1])
+
+    def reify():
+        dest = specs.reify({r: {} for r in range(4)})
+        for rank in range(4):
+            with open(dest.error_files[rank], "w") as f:  # something to remove next time
+                f.write("{}")
+
+    def point(frame, event):  # in shutil (the removal), once a call returned
+        return event == "c_return" and frame.f_code.co_filename == shutil.__file__
+
+    reify()
+    points = [0]
+
+    def count(frame, event, arg):
+        if point(frame, event):
+            points[0] += 1
+
+    sys.setprofile(count)
+    reify()
+    sys.setprofile(None)
+    total, lost, me = points[0], [], os.getpid()
+    for k in range(1, total + 1):
+        points[0] = 0
+
+        def interrupt(frame, event, arg):
+            if point(frame, event):
+                points[0] += 1
+                if points[0] == k:
+                    os.kill(me, signal.SIGTERM)
+
+        try:
+            sys.setprofile(interrupt)
+            try:
+                reify()
+            finally:
+                sys.setprofile(None)
+            lost.append(k)
+        except SignalException:
+            pass
+        reify()  # a whole attempt directory again
+    print("points", total, "lost", lost)
+"""
+
+
+def test_a_signal_inside_the_old_attempts_removal_stops_the_reify(launcher, tmp_path):
+    run = launcher(REIFY_SCRIPT, str(tmp_path / "logs"))
+    rc, out, err = run.communicate(120)
+    assert rc == 0, err[-3000:]
+    words = out.split()
+    assert words[0] == "points" and int(words[1]) > 10, out
+    assert out.split(" lost ", 1)[1] == "[]\n", out
+
+
+# The same at every point of torchmp's Python where a handler can run, one
+# run per point.  The interpreter runs handlers as a function starts and
+# once a call has returned: a profile hook counts those points in torchmp's
+# frames (its functions' starts and returns, the returns of the C functions
+# they call) in one run, then sends SIGTERM at the k-th in run k, so the
+# handler raises right there.  Every signal must come out as
+# SignalException, and nothing the run started may be left running.
+EVERY_POINT_SCRIPT = """
+    import inspect, os, signal, subprocess, sys, time
+    import psutil
+    import torchmp
+    from torchmp import DefaultLogsSpecs, SignalException, _orphans
+    from torchmp._signals import install_handlers
+
+    what, log_root = sys.argv[1], sys.argv[2]
+    runs = iter(range(1_000_000))
+
+    def one_run():
+        specs = DefaultLogsSpecs(log_dir=os.path.join(log_root, str(next(runs))))
+        if what == "run":
+            try:
+                torchmp.run(["sh", "-c", "echo hi; exec sleep 30"], capture_output=True, timeout=0.05)
+            except subprocess.TimeoutExpired:
+                pass
+            return
+        if what in ("fork", "forkserver"):
+            ctx = torchmp.start_processes("every", abs, args={0: (1,), 1: (2,)}, envs=None, logs_specs=specs,
+                                          start_method=what)
+        elif what == "tee":  # the workers' lines on the launcher's console, as it writes its own
+            specs = DefaultLogsSpecs(log_dir=specs.root_log_dir, tee=torchmp.Std.ALL)
+            ctx = torchmp.start_processes("every", "echo", args={0: ("hi",), 1: ("ho",)}, envs=None,
+                                          logs_specs=specs)
+        else:
+            ctx = torchmp.start_processes("every", "true", args={0: (), 1: ()}, envs=None, logs_specs=specs)
+        try:
+            ctx.wait(30)
+        finally:
+            ctx.close()
+
+    def point(frame, event):
+        # (Not in a generator's frame: all() drops a generator it stopped
+        # early, and closing it enters the frame without looking for
+        # signals; only a hook like this one would run a handler there.)
+        code = frame.f_code
+        return (event in ("call", "return", "c_return") and "/torchmp/" in code.co_filename
+                and not code.co_flags & inspect.CO_GENERATOR)
+
+    def strays(known):
+        found = []
+        for p in psutil.Process().children(recursive=True):
+            try:
+                if p.pid not in known and p.status() != psutil.STATUS_ZOMBIE:
+                    found.append((p.pid, p.cmdline()))
+            except psutil.Error:
+                pass
+        return found
+
+    install_handlers()
+    one_run()
+    known = {p.pid for p in psutil.Process().children(recursive=True)}  # the keeper, if any
+
+    def count(frame, event, arg):
+        if point(frame, event):
+            points[0] += 1
+
+    points = [0]
+    sys.setprofile(count)
+    one_run()
+    sys.setprofile(None)
+    total, lost, left = points[0], [], []
+    me = os.getpid()
+    for k in range(1, total + 1):
+        points[0], where = 0, []
+
+        def interrupt(frame, event, arg):
+            if point(frame, event):
+                points[0] += 1
+                if points[0] == k and os.getpid() == me:
+                    where.append(f"{event} in {frame.f_code.co_name}:{frame.f_lineno}")
+                    os.kill(me, signal.SIGTERM)
+
+        interrupted = False
+        try:
+            sys.setprofile(interrupt)
+            try:
+                one_run()
+            finally:
+                sys.setprofile(None)
+        except SignalException:
+            interrupted = True
+        if where and not interrupted:
+            lost.append((k, where[0]))
+        for ctx in _orphans.live_contexts():
+            ctx.close(signal.SIGKILL, 5)
+        found = strays(known)
+        settled = time.monotonic() + 2  # (a rank that was exiting by itself)
+        while found and time.monotonic() < settled:
+            time.sleep(0.01)
+            found = strays(known)
+        if found:
+            left.append((k, where, found))
+            for pid, _ in found:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+    print("points", total, "lost", lost, "left", left, flush=True)
+"""
+
+
+@pytest.mark.parametrize("what", ["fork", "forkserver", "exec", "tee", "run"])
+def test_a_signal_at_every_point_of_a_run_stops_it_and_leaves_nothing(launcher, tmp_path, what):
+    run = launcher(EVERY_POINT_SCRIPT, what, str(tmp_path / "logs"))
+    rc, out, err = run.communicate(300)
+    assert rc == 0, err[-3000:]
+    verdict = out.splitlines()[-1]  # (after the teed workers' lines)
+    words = verdict.split()
+    assert words[0] == "points" and int(words[1]) > 20, verdict
+    assert verdict.split(" lost ", 1)[1] == "[] left []", verdict
     assert "Exception ignored" not in err, err[-3000:]
     assert wait_no_tagged(run.tag, 10) == []
 

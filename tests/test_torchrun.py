@@ -473,6 +473,47 @@ def test_signal_exception_converts_to_torch(tmp_path):
     assert e.value.sigval == signal.SIGINT
 
 
+def test_torchs_signal_exception_is_not_swallowed_by_a_console(tmp_path):
+    # After a launch the plug-in's handlers raise torch's SignalException.
+    # A handler that runs inside a console object's write, while torchmp
+    # shows its own words there, must not be taken for the console's own
+    # failure and dropped.
+    script = """
+        import logging, os, signal, sys
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torchmp import DefaultLogsSpecs
+        from torchmp.torchrun import start_processes
+
+        class Tripwire:
+            def __init__(self, real):
+                self.real, self.armed = real, True
+            def write(self, text):
+                if self.armed:
+                    self.armed = False
+                    os.kill(os.getpid(), signal.SIGTERM)
+                return self.real.write(text)
+            def flush(self):
+                self.real.flush()
+
+        ctx = start_processes("plain", "true", args={0: ()}, envs={0: {}},
+                              logs_specs=DefaultLogsSpecs(log_dir=sys.argv[1]))
+        ctx.wait()
+        ctx.close()
+        sys.stderr = Tripwire(sys.__stderr__)
+        try:
+            logging.getLogger("torchmp.api").warning("torchmp's own words")
+            print("not interrupted")
+        except SignalException as e:
+            print("interrupted by", e.sigval.name)
+    """
+    with Launchers() as launchers:
+        run = launchers.python(script, str(tmp_path / "logs"))
+        rc, out, err = run.communicate(HANG_SECONDS)
+    assert rc == 0, err[-3000:]
+    assert out == "interrupted by SIGTERM\n", out + err[-3000:]
+    assert wait_no_tagged(run.tag, 10) == []
+
+
 def test_numa_binding_is_honoured(launch, tmp_path):
     # A fake topology (TORCHMP_SYSFS_ROOT) whose two NUMA nodes are this
     # machine's first two CPUs, a GPU on each: --numa-binding node puts rank

@@ -44,6 +44,7 @@ from typing import Any, TextIO
 
 from . import _console_objects, _core
 from ._inputs import getenv
+from ._signals import is_interrupt
 from ._console_objects import Forwarder, ObjectConsole
 
 __all__ = ["Forwarder", "ObjectConsole"]
@@ -225,8 +226,9 @@ def say(text: str, which: int = 1) -> None:
     try:
         target.write(text)
         target.flush()
-    except Exception:
-        pass
+    except Exception as e:
+        if is_interrupt(e):  # a signal's, not the console's
+            raise
 
 
 class ConsoleHandler(logging.Handler):
@@ -240,7 +242,9 @@ class ConsoleHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             say(self.format(record), self.which)
-        except Exception:
+        except Exception as e:
+            if is_interrupt(e):
+                raise
             self.handleError(record)
 
 

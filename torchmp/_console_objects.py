@@ -31,6 +31,7 @@ import time
 from typing import Any
 
 from . import _core
+from ._signals import is_interrupt
 
 logger = logging.getLogger("torchmp.console")
 
@@ -133,6 +134,8 @@ class ObjectConsole:
                 payload = payload[done:]
                 failure = e
             except Exception as e:  # closed, its reader gone, refuses text
+                if is_interrupt(e):  # a signal's, not the object's
+                    raise
                 failure = e
                 break
             time.sleep(0.01 * (1 << attempt))
@@ -143,8 +146,9 @@ class ObjectConsole:
         if flush is not None:
             try:
                 flush()
-            except Exception:
-                pass  # what it holds goes out with its next flush
+            except Exception as e:  # what it holds goes out with its next flush
+                if is_interrupt(e):
+                    raise
         return None
 
     def _not_shown(self, data: bytes, failure: BaseException) -> None:
@@ -199,7 +203,9 @@ class _ForwardingThread:
                 for c in consoles:
                     try:
                         moved = c.forward() or moved
-                    except Exception:  # ours, not the object's: say so, keep the others going
+                    except Exception as e:  # ours, not the object's: say so, keep the others going
+                        if is_interrupt(e):
+                            raise
                         logger.exception("forwarding teed lines to %s failed", c.name)
             finally:
                 with _lock:

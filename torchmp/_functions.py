@@ -45,6 +45,7 @@ from torchmp._launch.exec import SpawnLaunch
 from torchmp._launch.fork import ForkLaunch
 from torchmp._native import _NativeContext, logger
 from torchmp._pcontext import RunProcsResult, exitcode
+from torchmp._signals import is_interrupt
 from torchmp.errors import ProcessFailure
 from torchmp.logs_specs import LogsSpecs
 
@@ -277,6 +278,8 @@ class MultiprocessContext(_NativeContext):
             try:
                 self._return_values_cache[rank] = pickle.loads(blob) if blob else None
             except Exception as e:
+                if is_interrupt(e):  # a signal's, not the value's (its __setstate__ is Python)
+                    raise
                 raise RuntimeError(
                     f"the return value of local rank {rank} ({len(blob)} bytes) could not be "
                     f"unpickled in the launcher: {e!r}") from e

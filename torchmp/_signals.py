@@ -171,6 +171,29 @@ class SignalException(Exception):
         self.sigval = sigval
 
 
+# What a handled signal raises wherever the main thread happens to be:
+# SignalException, Ctrl-C's KeyboardInterrupt, and the class of another
+# handler given to install_handlers (the torchrun plug-in's raises torch's
+# SignalException).  A catch-all around a console's write or flush must let
+# these through: swallowed there, the launch would carry on as if no signal
+# had come.
+_interrupts: tuple[type[BaseException], ...] = (SignalException, KeyboardInterrupt)
+
+
+def is_interrupt(exc: BaseException) -> bool:
+    """Whether ``exc`` is a handled signal's exception, which no catch-all
+    may swallow."""
+    return isinstance(exc, _interrupts)
+
+
+def count_as_interrupt(cls: type[BaseException]) -> None:
+    """Make :func:`is_interrupt` true for ``cls`` too (a handler of the
+    caller's raises it)."""
+    global _interrupts
+    if not issubclass(cls, _interrupts):
+        _interrupts += (cls,)
+
+
 def terminate_process_handler(signum: int, frame: FrameType | None) -> None:
     """The handler of every handled signal: raise SignalException."""
     sigval = signal.Signals(signum)
@@ -191,6 +214,23 @@ def close_despite_interrupts(ctx: PContext, death_sig: signal.Signals, timeout: 
             return
         except (SignalException, KeyboardInterrupt):
             death_sig, timeout = signal.SIGKILL, 0
+
+
+def finish_despite_interrupts(step: Callable[[], Any]) -> BaseException | None:
+    """``step()``, started again each time a handled signal's exception (or
+    Ctrl-C) cuts it short: a cleanup that must be finished (the escapee
+    sweep as ``torchmp run`` exits).  Returns the first such exception, for
+    the caller to raise once the cleanup is done (None if none came).  Each
+    retry is started by one more signal, so this ends."""
+    first: BaseException | None = None
+    while True:
+        try:
+            step()
+            return first
+        except BaseException as e:
+            if not is_interrupt(e):
+                raise
+            first = first or e
 
 
 def interrupt_signal(exc: BaseException) -> signal.Signals:

@@ -61,6 +61,7 @@ from torchmp._inputs import (
     is_int,
     validate_full_rank,
 )
+from torchmp._signals import is_interrupt
 
 __all__ = [
     "DefaultLogsSpecs",
@@ -285,6 +286,23 @@ def _merge_tee(redirects: dict[int, Std], tee: dict[int, Std]) -> dict[int, Std]
     return {rank: redirects[rank] | tee[rank] for rank in redirects}
 
 
+def _remove_tree(path: str) -> None:
+    """Remove an earlier attempt's directory, if any.  Not torch's
+    ``shutil.rmtree(ignore_errors=True)``: its catch-all would swallow a
+    handled signal's SignalException raised inside it.  What cannot be
+    removed makes the ``makedirs`` after this fail, naming the path."""
+    try:
+        shutil.rmtree(path)
+    except OSError as e:
+        # An error the signal caused where it landed (rmtree's finally
+        # closing a descriptor a second time: EBADF) stands for the signal.
+        cause = e.__context__
+        while cause is not None and not is_interrupt(cause):
+            cause = cause.__context__
+        if cause is not None:
+            raise cause from None
+
+
 class DefaultLogsSpecs(LogsSpecs):
     """The torch 2.x layout, one directory per run, attempt and rank.
 
@@ -428,7 +446,7 @@ class DefaultLogsSpecs(LogsSpecs):
         if fresh:
             os.mkdir(attempt_dir)  # in a directory made just now: nothing to clear
         else:
-            shutil.rmtree(attempt_dir, ignore_errors=True)
+            _remove_tree(attempt_dir)
             os.makedirs(attempt_dir)
         self._attempt_dir = attempt_dir
 

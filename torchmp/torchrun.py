@@ -45,7 +45,7 @@ from typing import Any
 import torchmp
 from torchmp import api as _tm_api
 from torchmp._shutdown import SHUTDOWN_GRACE_SECONDS
-from torchmp._signals import install_handlers
+from torchmp._signals import count_as_interrupt, install_handlers
 from torchmp.errors import last_words, root_cause_order
 
 __all__ = ["main", "patched", "start_processes", "TorchNotAvailable"]
@@ -107,6 +107,7 @@ def _install_torch_signal_handlers() -> None:
     torchrun) at a handler raising torch's ``SignalException``, which is what
     the agent catches to shut the workers down with that signal (quietly:
     torchmp logged any failure when it tried the same)."""
+    count_as_interrupt(_load_torch().SignalException)
     install_handlers(handler=_raise_torch_signal)
 
 

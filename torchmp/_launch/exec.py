@@ -19,7 +19,7 @@ from torchmp._launch import Launch, worker
 from torchmp._launch.env import exec_env, launcher_environ
 from torchmp._launch.payload import payload_file
 from torchmp._launch.streams import NO_STREAM, RETURN_CHANNEL, RankStreams
-from torchmp._signals import SignalException
+from torchmp._signals import is_interrupt
 
 # torch's contexts log as its api module; so do torchmp's.
 logger = logging.getLogger("torchmp.api")
@@ -125,9 +125,9 @@ def check_picklable(method: str, fn: Callable[..., Any], args: Mapping[int, tupl
     # is): it stops the launch as itself, not as an unpicklable payload.
     try:
         pickle.dumps(fn, protocol=pickle.HIGHEST_PROTOCOL)
-    except SignalException:
-        raise
     except Exception as e:
+        if is_interrupt(e):
+            raise
         name = getattr(fn, "__qualname__", repr(fn))
         raise ValueError(
             f"entrypoint {name} cannot be pickled for start_method={method!r} ({e}); "
@@ -136,9 +136,9 @@ def check_picklable(method: str, fn: Callable[..., Any], args: Mapping[int, tupl
     for rank, rank_args in args.items():
         try:
             pickle.dumps(rank_args, protocol=pickle.HIGHEST_PROTOCOL)
-        except SignalException:
-            raise
         except Exception as e:
+            if is_interrupt(e):
+                raise
             raise ValueError(f"args[{rank}] cannot be pickled for start_method={method!r}: {e}") from None
 
 

@@ -21,7 +21,7 @@ from torchmp._launch import worker
 from torchmp._launch.env import apply_rank_env
 from torchmp._launch.exec import FunctionLaunch
 from torchmp._launch.streams import RETURN_CHANNEL, RankStreams
-from torchmp._signals import SignalException, handled_signals
+from torchmp._signals import handled_signals, is_interrupt
 
 logger = logging.getLogger("torchmp.api")
 
@@ -36,8 +36,9 @@ class ForkLaunch(FunctionLaunch):
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
-            except Exception:
-                pass
+            except Exception as e:
+                if is_interrupt(e):  # a signal landed here: it stops the launch
+                    raise
         on_main_thread = threading.current_thread() is threading.main_thread()
         # A forked worker must die of the signals the launcher turns into
         # SignalException like any other process, not raise in the function.
@@ -59,7 +60,7 @@ class ForkLaunch(FunctionLaunch):
         previous_hook = sys.unraisablehook
 
         def keep_interrupts(unraisable: Any) -> None:
-            if isinstance(unraisable.exc_value, (SignalException, KeyboardInterrupt)):
+            if is_interrupt(unraisable.exc_value):
                 interrupts.append(unraisable.exc_value)
             else:
                 previous_hook(unraisable)

@@ -317,12 +317,18 @@ class ReportThread:
             if replaced != self._write_fd:
                 signal.set_wakeup_fd(replaced)  # someone else's since ours: leave it
             self._catching = False
-        if self._thread is None or not self._thread.is_alive():
-            # (Never closed under a thread still polling it: the number
-            # could be reused before its poll returns.)
-            os.close(self._read_fd)
-        os.close(self._write_fd)
+        # Forgotten before they are closed: a handler raising between the two
+        # closes must not leave a number that the next stop() closes again
+        # (by then, maybe someone else's file).
+        read_fd, write_fd = self._read_fd, self._write_fd
         self._read_fd = self._write_fd = -1
+        try:
+            if self._thread is None or not self._thread.is_alive():
+                # (Never closed under a thread still polling it: the number
+                # could be reused before its poll returns.)
+                os.close(read_fd)
+        finally:
+            os.close(write_fd)
 
 
 def _wake_only(signum: int, frame: FrameType | None) -> None:

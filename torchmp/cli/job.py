@@ -22,7 +22,7 @@ from torchmp._procfs import python_pids_by_group
 from torchmp.api import start_processes
 from torchmp.cli import hang
 from torchmp.cli.console import say, show
-from torchmp.cli.exit_codes import TIME_LIMIT_EXIT, exit_code_for
+from torchmp.cli.exit_codes import TIME_LIMIT_EXIT, exit_code_for, signal_number
 from torchmp.cli.logdir import AnnouncingLogsSpecs, SetupError, describe_mkdir_error
 from torchmp.cli.plan import Plan, free_port, where_ranks_run
 from torchmp.cli.report import format_summary, summary_reason
@@ -323,7 +323,7 @@ class Job:
         """Terminate the workers (with the signal itself if it is a handled
         one, else SIGTERM); a second signal means SIGKILL now."""
         if self.signal is None:
-            self.signal = getattr(e, "signum", int(e.sigval))
+            self.signal = signal_number(e)
             self.death_signal = e.sigval
         if self.ctx is not None:
             self.start_reports()  # a report asked for during the grace is made too

@@ -15,9 +15,11 @@ from torchmp._launch.exec import resolve_executable
 from torchmp._signals import (
     SignalException,
     close_despite_interrupts,
+    finish_despite_interrupts,
     install_launcher_handlers,
 )
 from torchmp.cli.console import say, settle_console
+from torchmp.cli.exit_codes import exit_code_for_signal
 from torchmp.cli.job import Job
 from torchmp.cli.logdir import SetupError
 from torchmp.cli.plan import PROG, Plan, UsageError, build_parser, split_command
@@ -54,9 +56,15 @@ def main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
     error: the exit status is the one a healthy console would have got.
     """
     try:
-        return _main(argv, prog)
-    finally:
-        settle_console()
+        try:
+            return _main(argv, prog)
+        finally:
+            settle_console()
+    except SignalException as e:
+        # A signal _main's own handling did not take: during the last
+        # cleanup or the last flush (the job over, its ranks gone), or
+        # before the launch.  The exit a signal gives, not a traceback and 1.
+        return exit_code_for_signal(e)
 
 
 def _main(argv: Sequence[str] | None, prog: str) -> int:
@@ -72,6 +80,12 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
         plan = Plan(args, args.command)
     except UsageError as e:
         parser.error(str(e))
+    # SIGCHLD ignored (SIG_IGN, inherited from whatever started us) makes
+    # the kernel reap every child at its exit, status and all: no rank's
+    # exit could be told.  This process is torchmp run's own; the default
+    # goes back before the I/O thread (whose poll backend chains to it).
+    if _core.children_reaped_at_exit():
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     # The I/O thread from here on: everything torchmp run says goes through
     # its consoles, so a stalled stderr never blocks it, from the first line.
     try:
@@ -132,9 +146,15 @@ def _main(argv: Sequence[str] | None, prog: str) -> int:
     except SignalException as e:
         # A signal while reporting: the workers are already gone or going.
         run.shut_down(e)
-        return 128 + getattr(e, "signum", int(e.sigval))
+        return exit_code_for_signal(e)
     finally:
         if run.ctx is not None:
             close_despite_interrupts(run.ctx, signal.SIGKILL, 0)
-            run.stop_escapees(grace=0)
-        run.reports.stop()
+        # A signal cuts neither the last escapee sweep nor the report
+        # thread's stop short (escapees would outlive the job); it is
+        # raised once they are done (main() makes it the exit status).
+        in_sweep = finish_despite_interrupts(lambda: run.stop_escapees(grace=0))
+        in_stop = finish_despite_interrupts(run.reports.stop)
+        interrupted = in_sweep or in_stop
+        if interrupted is not None:
+            raise interrupted
