@@ -22,7 +22,7 @@ import torchmp
 from torchmp import DefaultLogsSpecs, Std, _aio
 from torchmp._launch.command import GRACE_SECONDS
 
-from helpers import kill_groups, launch, pid_alive, read_pids, wait_gone
+from helpers import interrupt_once_started, kill_groups, launch, pid_alive, read_pids, wait_gone
 
 PY = sys.executable
 SLACK = 2.0
@@ -238,6 +238,104 @@ def test_cancelling_stops_and_reaps_the_group_before_it_goes_on(arun, tmp_path, 
         assert children == [] and not any(pid_alive(p) for p in pids)
     finally:
         kill_groups(pids)
+
+
+def test_an_interrupt_right_after_the_start_kills_the_command_before_it_goes_on(arun):
+    # As for run(): under a tracer a handler can run at the first line after
+    # the command started, before anything watches it; the command is
+    # killed there, not left to whoever drops the traceback.
+    seen: dict[str, int] = {}
+
+    async def traced():
+        previous = sys.gettrace()
+        sys.settrace(interrupt_once_started(torchmp.run_async.__code__, seen))
+        try:
+            await torchmp.run_async(["sleep", "30"])
+        finally:
+            sys.settrace(previous)
+
+    try:
+        with pytest.raises(KeyboardInterrupt) as interrupted:
+            arun(traced())
+        assert "pid" in seen, "run_async() never held its command"
+        # Dead while the traceback still holds run_async's frame (SIGKILL:
+        # a coroutine cannot sit out the grace period; the I/O thread reaps).
+        assert wait_gone([seen["pid"]], 2) == []
+    finally:
+        del interrupted
+        kill_groups(list(seen.values()))
+
+
+def test_a_signal_inside_the_loops_dispatch_reaches_a_waiting_task(arun):
+    # The notifier's reader callback took the notes when a handled signal's
+    # handler raised in it (a SIGTERM under torch's handlers).  asyncio
+    # would log and drop what a callback raises: the interrupt goes to one
+    # waiting task instead, and the commands whose notes were taken are
+    # still woken, not left to wait forever.
+    code = _aio._Watch.dispatch.__code__
+    tripped: list[int] = []
+
+    def in_dispatch(frame, event, arg):
+        if event == "line" and not tripped and frame.f_locals.get("notes"):
+            tripped.append(1)
+            raise torchmp.SignalException("a signal in dispatch", signal.SIGTERM)
+        return in_dispatch
+
+    async def traced():
+        previous = sys.gettrace()
+        sys.settrace(lambda frame, event, arg: in_dispatch if frame.f_code is code else None)
+        try:
+            return await asyncio.gather(
+                torchmp.run_async(["sh", "-c", "sleep 0.2; echo first"], capture_output=True),
+                torchmp.run_async(["sh", "-c", "sleep 0.8; echo second"], capture_output=True),
+                return_exceptions=True)
+        finally:
+            sys.settrace(previous)
+
+    results = arun(traced(), timeout=20)
+    assert tripped, "the signal never landed in dispatch"
+    interrupted = [r for r in results if isinstance(r, torchmp.SignalException)]
+    finished = [r for r in results if not isinstance(r, BaseException)]
+    assert [str(e) for e in interrupted] == ["a signal in dispatch"], results
+    assert len(finished) == 1 and finished[0].returncode == 0 and finished[0].stdout in (b"first\n", b"second\n")
+    assert psutil.Process().children(recursive=True) == []
+
+
+def test_a_signal_inside_the_timeouts_wake_up_reaches_the_waiting_task(tmp_path):
+    # The same inside the callback that ends a wait_async's timeout, where
+    # the interpreter looks for signals: once event.done() has returned.
+    # The wait ends at its timeout, with the interrupt.
+    import inspect
+
+    code = _aio._AsyncioWatch.wake.__code__
+    lines, first = inspect.getsourcelines(_aio._AsyncioWatch.wake)
+    setting = first + next(i for i, line in enumerate(lines) if "event.set_result" in line)
+    tripped: list[int] = []
+
+    def in_wake(frame, event, arg):
+        if event == "line" and frame.f_lineno == setting and not tripped:
+            tripped.append(1)
+            raise torchmp.SignalException("a signal in wake", signal.SIGTERM)
+        return in_wake
+
+    ctx = torchmp.start_processes("timed", "sleep", args={0: ("30",)}, envs=None,
+                                  logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)))
+    try:
+        async def traced():
+            previous = sys.gettrace()
+            sys.settrace(lambda frame, event, arg: in_wake if frame.f_code is code else None)
+            try:
+                return await ctx.wait_async(timeout=0.2)
+            finally:
+                sys.settrace(previous)
+
+        started = time.monotonic()
+        with pytest.raises(torchmp.SignalException, match="a signal in wake"):
+            asyncio.run(asyncio.wait_for(traced(), 20))
+        assert tripped, "the signal never landed in the wake-up"
+        assert time.monotonic() - started < 10
+    finally:
+        ctx.close()
 
 
 def test_a_hundred_tasks_cancelled_at_random_moments_leave_nothing(arun, tmp_path):

@@ -30,6 +30,7 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 from torchmp import _core
+from torchmp._signals import is_interrupt
 
 _tokens = itertools.count(1)
 
@@ -38,19 +39,43 @@ class _Watch:
     """One event loop's notifier, and who waits on it (by token)."""
 
     notifier: _core.Notifier
-    wakers: dict[int, Callable[[], None]]
+    wakers: dict[int, _Waiter]
+    # A handled signal's exception raised inside one of this watch's loop
+    # callbacks, for the first waiter that wakes up to raise in its task
+    # (kept only while a waiter sleeps: one is then woken to take it).
+    interrupted: BaseException | None = None
 
     def dispatch(self) -> None:
-        notes, overflow = self.notifier.take()
-        wakers = self.wakers
-        if overflow:
-            for waker in list(wakers.values()):
-                waker()
-            return
-        for token, _what in notes:
-            found = wakers.get(token)
-            if found is not None:
-                found()
+        try:
+            notes, overflow = self.notifier.take()
+            wakers = self.wakers
+            if overflow:
+                for waker in list(wakers.values()):
+                    waker.note()
+                return
+            for token, _what in notes:
+                found = wakers.get(token)
+                if found is not None:
+                    found.note()
+        except BaseException as e:
+            # A signal's handler raised here, the notes taken: every waiter
+            # looks again, as after an overflow, rather than sleep on a lost
+            # note.  asyncio would log and drop what a callback raises (trio
+            # would end the run): the interrupt goes to a waiting task.
+            waiters = list(self.wakers.values())
+            if is_interrupt(e) and any(waiter.asleep() for waiter in waiters):
+                self.interrupted = e
+            for waker in waiters:
+                waker.note()
+            if self.interrupted is not e:
+                raise
+
+    def raise_interrupted(self) -> None:
+        """In a task that woke up: raise the interrupt a callback took."""
+        e = self.interrupted
+        if e is not None:
+            self.interrupted = None
+            raise e
 
     # What the async library does for it (per library below).
     def new_event(self) -> Any:
@@ -97,8 +122,19 @@ class _AsyncioWatch(_Watch):
         return self.loop.create_future()
 
     def wake(self, event: asyncio.Future[None]) -> None:
-        if not event.done():
-            event.set_result(None)
+        # Also on the way out: a signal's handler raising in this callback
+        # (a wait's timeout) must not take the wake-up with it, and the
+        # interrupt goes to the task woken (asyncio would log and drop it).
+        try:
+            if not event.done():
+                event.set_result(None)
+        except BaseException as e:
+            if is_interrupt(e):
+                self.interrupted = e
+            if not event.done():
+                event.set_result(None)
+            if self.interrupted is not e:
+                raise
 
     async def wait_event(self, event: asyncio.Future[None], timeout: float | None) -> None:
         handle = None if timeout is None else self.loop.call_later(max(0.0, timeout), self.wake, event)
@@ -212,7 +248,16 @@ class _Waiter:
         self.watch = watch
         self.token = next(_tokens)
         self._event: Any = None
-        watch.wakers[self.token] = self._note
+        watch.wakers[self.token] = self
+
+    def note(self) -> None:
+        """A note for this waiter's token: wake it."""
+        self._note()
+
+    def asleep(self) -> bool:
+        """Whether its task sleeps in :meth:`_sleep` (and raises, once woken,
+        an interrupt a callback took)."""
+        return self._event is not None
 
     def _note(self) -> None:
         if self._event is not None:
@@ -224,6 +269,7 @@ class _Waiter:
             await self.watch.wait_event(self._event, timeout)
         finally:
             self._event = None
+        self.watch.raise_interrupted()
 
     def close(self) -> None:
         self.watch.wakers.pop(self.token, None)
