@@ -103,11 +103,18 @@ def test_a_slow_object_console_gets_every_line(tmp_path):
         assert Path(result.stdouts[rank]).stat().st_size == lines * 100
 
 
+FILLS = 900  # 900 lines of 72 bytes: 64,800 bytes
+
 HELD_WORKER = textwrap.dedent("""
     import os, sys, time
+    FILLS = @FILLS@
     def out(b):
         os.write(1, b)
-    out(b"".join(b"fill %05d " % i + b"y" * 60 + b"\\n" for i in range(3000)))  # past the bound
+    # Past the 16 KiB bound, in one write an empty pipe (64 KiB) takes
+    # whole: a write larger than the pipe would be read in pieces, and a
+    # line cut at a piece's end is rightly shown as a partial line if the
+    # writer is kept from the rest for 0.1 s (a loaded machine).
+    out(b"".join(b"fill %05d " % i + b"y" * 60 + b"\\n" for i in range(FILLS)))
     out(b"line A\\n")
     time.sleep(1.0)
     out(b"line B\\n")
@@ -115,7 +122,7 @@ HELD_WORKER = textwrap.dedent("""
     time.sleep(0.3)
     out(b" and D\\n")
     out(b"tail without a newline")
-""")
+""").replace("@FILLS@", str(FILLS))
 
 TS = r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3})Z "
 
@@ -147,7 +154,7 @@ def test_held_back_lines_come_out_as_the_live_path_shows_them(tmp_path):
     text = sink.text()
     assert "not shown" not in text
     fills = re.findall(r"^\[h0\]:" + TS + r"fill (\d{5}) y{60}$", text, re.M)
-    assert [int(n) for _, n in fills] == list(range(3000))
+    assert [int(n) for _, n in fills] == list(range(FILLS))
     # The times are the arrival times, not when the console got the lines.
     gap = _ts(text, "line B") - _ts(text, "line A")
     assert 0.9 <= gap < 2.0, gap

@@ -79,7 +79,7 @@ class Launch:
     def __init__(self, launcher: Launcher, log_dir: Path) -> None:
         self.launcher, self.proc, self.log_dir = launcher, launcher.proc, log_dir
 
-    def wait(self, timeout: float = 15) -> int:
+    def wait(self, timeout: float = 60) -> int:
         return self.launcher.wait(timeout, f"torchmp run did not finish in {timeout}s")
 
     def attempt_dir(self) -> Path:
@@ -107,7 +107,7 @@ def launches(torchmp_run):
     return start
 
 
-def read_a_line(fd: int, timeout: float = 10) -> bytes:
+def read_a_line(fd: int, timeout: float = 30) -> bytes:
     """Read from fd until a newline (or EOF/EIO), like ``head -1``."""
     data = b""
     deadline = time.monotonic() + timeout

@@ -36,13 +36,32 @@ def main():
     rank = sys.argv[1]
     own_dir = os.path.dirname(os.environ["TORCHELASTIC_ERROR_FILE"])
     if rank == "1":
+        with open(os.path.join(own_dir, "pid.tmp"), "w") as f:
+            f.write(str(os.getpid()))
+        os.rename(os.path.join(own_dir, "pid.tmp"), os.path.join(own_dir, "pid"))
         # fail first, once rank 0 is ready to outlive fail-fast's SIGTERM
         while not os.path.exists(os.path.join(own_dir, "..", "0", "ready")):
             time.sleep(0.01)
         raise RuntimeError("rank 1 failed first")
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     open(os.path.join(own_dir, "ready"), "w").close()
-    while not os.path.exists(os.path.join(own_dir, "..", "1", "error.json")):
+    # Until rank 1 has exited, not only written its error file: the exit of
+    # an interpreter that imported torch can take longer on a loaded machine
+    # than the sleep below, and the launcher must see rank 1's exit first.
+    # Both ranks are children of the launcher, so rank 1's pid stays a
+    # zombie (not another process) until the launcher reaps it.
+    pid_file = os.path.join(own_dir, "..", "1", "pid")
+    while not os.path.exists(pid_file):
+        time.sleep(0.01)
+    with open(pid_file) as f:
+        pid = int(f.read())
+    while True:
+        try:
+            with open(f"/proc/{{pid}}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+        except FileNotFoundError:
+            break
         time.sleep(0.01)
     time.sleep(1.1 - time.time() % 1)  # a later whole second than rank 1's
     raise RuntimeError("rank 0 failed later")
