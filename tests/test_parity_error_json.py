@@ -49,7 +49,9 @@ def main():
     # an interpreter that imported torch can take longer on a loaded machine
     # than the sleep below, and the launcher must see rank 1's exit first.
     # Both ranks are children of the launcher, so rank 1's pid stays a
-    # zombie (not another process) until the launcher reaps it.
+    # zombie (not another process) until the launcher reaps it -- which it
+    # may do at the exit (the early reap): then the stat file is gone, or
+    # goes between its open and its read (ESRCH).
     pid_file = os.path.join(own_dir, "..", "1", "pid")
     while not os.path.exists(pid_file):
         time.sleep(0.01)
@@ -60,7 +62,7 @@ def main():
             with open(f"/proc/{{pid}}/stat") as f:
                 if f.read().rsplit(")", 1)[1].split()[0] == "Z":
                     break
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):
             break
         time.sleep(0.01)
     time.sleep(1.1 - time.time() % 1)  # a later whole second than rank 1's
