@@ -34,6 +34,20 @@
 #define FOLLOW_ROUNDS 4
 /* Out of fds to read a log with: try again this much later. */
 #define FOLLOW_RETRY_NS (10 * 1000000LL)
+/* A file's size can end inside a write that is under way: the kernel copies
+ * a write page by page (or folio by folio) and moves the size after each,
+ * so a reader can see the first part of a line the worker wrote in one
+ * write() while the writer is preempted, or waits for a page of its buffer
+ * to fault in, before the rest.  Those intermediate sizes are multiples of
+ * the page size (4096 divides every page and folio size).  A pipe has no
+ * such state: a write of up to PIPE_BUF bytes arrives whole.  So a partial
+ * line that ends at a multiple of 4096 is given this long in all, not only
+ * TORCHMP_PARTIAL_IDLE_NS, for its write to finish (whose end inotify then
+ * reports) before it is shown as a partial line.  A worker idle after such
+ * a line -- one in 4096 of idle partial lines, more with block-buffered
+ * output, whose flushes are page multiples -- has it shown this late. */
+#define FOLLOW_OPEN_WRITE_NS (1000 * 1000000LL)
+#define FOLLOW_WRITE_GRAIN 4096
 
 #ifdef TORCHMP_HAVE_INOTIFY
 
@@ -247,6 +261,21 @@ void torchmp_loop_follow_event(torchmp_loop *L)
     }
 }
 
+int torchmp_loop_follow_hold(stream *s, int64_t now, int64_t *until)
+{
+    if (!s->following || s->follow_off % FOLLOW_WRITE_GRAIN != 0)
+        return 0;
+    if (s->follow_held_off != s->follow_off) {
+        /* First due at this size: the time so far counts. */
+        s->follow_held_off = s->follow_off;
+        s->follow_held_until = now + FOLLOW_OPEN_WRITE_NS - TORCHMP_PARTIAL_IDLE_NS;
+    }
+    if (now >= s->follow_held_until)
+        return 0;
+    *until = s->follow_held_until;
+    return 1;
+}
+
 int torchmp_loop_follow_timeout_ms(torchmp_loop *L)
 {
     int64_t left;
@@ -348,6 +377,8 @@ int torchmp_loop_follow_open(torchmp_loop *L, stream *s, const torchmp_stream_sp
     s->follow_dev = st.st_dev;
     s->follow_ino = st.st_ino;
     s->follow_off = 0;
+    s->follow_held_off = 0;
+    s->follow_held_until = 0;
     s->log_fd = -1;
     /* The worker's fd stands in for the log the feed reads back. */
     if (torchmp_loop_stream_tee_init(L, s, spec, fd) != 0)
@@ -420,6 +451,21 @@ void torchmp_loop_follow_close(torchmp_loop *L, stream *s)
 {
     (void)L;
     (void)s;
+}
+
+int torchmp_loop_follow_hold(stream *s, int64_t now, int64_t *until)
+{
+    if (!s->following || s->follow_off % FOLLOW_WRITE_GRAIN != 0)
+        return 0;
+    if (s->follow_held_off != s->follow_off) {
+        /* First due at this size: the time so far counts. */
+        s->follow_held_off = s->follow_off;
+        s->follow_held_until = now + FOLLOW_OPEN_WRITE_NS - TORCHMP_PARTIAL_IDLE_NS;
+    }
+    if (now >= s->follow_held_until)
+        return 0;
+    *until = s->follow_held_until;
+    return 1;
 }
 
 int torchmp_loop_follow_timeout_ms(torchmp_loop *L)

@@ -186,6 +186,8 @@ typedef struct stream {
     dev_t follow_dev;
     ino_t follow_ino;
     uint64_t follow_off;       /* bytes read so far */
+    uint64_t follow_held_off;  /* the follow_off a partial line is held at, */
+    int64_t follow_held_until; /* and until when (torchmp_loop_follow_hold) */
     stream_link follow_dirty;  /* on L->follow_dirty: bytes may wait */
 } stream;
 
@@ -439,6 +441,9 @@ void torchmp_loop_follow_pump(torchmp_loop *L);
 /* Read the log to the size it has now (the worker exited). */
 void torchmp_loop_follow_drain(torchmp_loop *L, stream *s);
 void torchmp_loop_follow_close(torchmp_loop *L, stream *s);
+/* Whether s's due partial line must wait (a write may be half done): 1,
+ * with *until the time to look again; 0: show it now. */
+int torchmp_loop_follow_hold(stream *s, int64_t now, int64_t *until);
 /* poller timeout for followed logs (-1: none). */
 int torchmp_loop_follow_timeout_ms(torchmp_loop *L);
 /* The bytes read from a log (or a pipe): to the console, tail, filters. */

@@ -203,6 +203,13 @@ void torchmp_loop_streams_tick(torchmp_loop *L)
                 L->next_deadline_ns = d;
             continue;
         }
+        d = stream_deadline(s);
+        if (d != 0 && d <= now && torchmp_loop_follow_hold(s, now, &d)) {
+            /* A followed log's size may end inside a write under way. */
+            if (L->next_deadline_ns == 0 || d < L->next_deadline_ns)
+                L->next_deadline_ns = d;
+            continue;
+        }
         if (s->framer.deadline_ns != 0 && s->framer.deadline_ns <= now) {
             torchmp_line_sinks sinks = filtered_sinks(s);
             torchmp_framer_tick(&s->framer, now, &sinks);

@@ -8,8 +8,10 @@ must be exact and the console must show the lines the pipe tee shows.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -85,6 +87,112 @@ def test_a_rank_writing_after_a_partial_line(tmp_path, capfdbinary):
     assert Path(result.stdouts[0]).read_bytes() == b"start rest\nnext\n"
     lines = out.splitlines()
     assert [x for x in lines if x.startswith(b"[f0]:")] == [b"[f0]:start ", b"[f0]:rest", b"[f0]:next"]
+
+
+# A worker that writes one line in one write() whose copy into the file
+# stops half way for STALL seconds: the first part of the line ends at a
+# page boundary of the file, and the source buffer's next page is missing
+# behind a userfaultfd that this process fills only after the stall.  (A
+# preempted writer on a loaded machine does the same, for less time.)  A
+# backlog written just before keeps the I/O thread reading when the first
+# part becomes visible, so it reads it.
+STALLED_WRITE_WORKER = r"""
+import ctypes, mmap, os, select, struct, sys, threading, time
+
+PAGE = 4096
+UFFDIO_API, UFFDIO_REGISTER, UFFDIO_COPY = 0xC018AA3F, 0xC020AA00, 0xC028AA03
+SYS_userfaultfd = 323
+libc = ctypes.CDLL(None, use_errno=True)
+libc.ioctl.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p)
+
+def check(rc, what):
+    if rc < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, what + ": " + os.strerror(e))
+
+line, head, stall = sys.argv[1].encode() + b"\n", int(sys.argv[2]), float(sys.argv[3])
+uffd = libc.syscall(SYS_userfaultfd, os.O_CLOEXEC | os.O_NONBLOCK)
+check(uffd, "userfaultfd")
+check(libc.ioctl(uffd, UFFDIO_API, ctypes.create_string_buffer(struct.pack("QQQ", 0xAA, 0, 0))), "UFFDIO_API")
+buf = mmap.mmap(-1, 2 * PAGE)
+base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+buf[PAGE - head:PAGE] = line[:head]  # the first page only: the second stays missing
+check(libc.ioctl(uffd, UFFDIO_REGISTER, ctypes.create_string_buffer(struct.pack("QQQQ", base + PAGE, PAGE, 1, 0))),
+      "UFFDIO_REGISTER")
+rest = ctypes.create_string_buffer(line[head:].ljust(PAGE, b"\0"), PAGE)
+
+def fill_after_the_stall():
+    select.select([uffd], [], [])
+    os.read(uffd, 32)  # the write's fault on the missing page
+    time.sleep(stall)
+    check(libc.ioctl(uffd, UFFDIO_COPY, ctypes.create_string_buffer(
+        struct.pack("QQQQq", base + PAGE, ctypes.addressof(rest), PAGE, 0, 0))), "UFFDIO_COPY")
+
+filler = threading.Thread(target=fill_after_the_stall)
+filler.start()
+backlog = b"".join(b"backlog %06d\n" % i for i in range(200000))
+pad = (PAGE - head - len(backlog)) % PAGE
+os.write(1, backlog + b"p" * (pad + PAGE - 1) + b"\n")
+assert os.write(1, memoryview(buf)[PAGE - head:PAGE - head + len(line)]) == len(line)
+filler.join()
+"""
+
+
+def userfaultfd_available() -> bool:
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.syscall(323, os.O_CLOEXEC) if os.uname().machine == "x86_64" else -1
+    if fd < 0:
+        return False
+    os.close(fd)
+    return True
+
+
+@pytest.mark.skipif(not userfaultfd_available(), reason="needs userfaultfd (x86-64, root or vm.unprivileged_userfaultfd)")
+def test_a_line_whose_write_stalls_half_way_is_shown_whole(tmp_path, capfdbinary):
+    # The pipe tee shows such a line whole (a write of up to PIPE_BUF bytes
+    # reaches a pipe whole); the followed log's size ends at the page
+    # boundary inside it for half a second, longer than the idle partial
+    # line's 0.1 s.  It failed CI's poll round once, on a loaded machine.
+    worker = tmp_path / "stalled_write.py"
+    worker.write_text(STALLED_WRITE_WORKER)
+    line = "line " + "y" * 3000
+    ctx = launch(sys.executable, {0: (str(worker), line, "1000", "0.5")}, log_dir=tmp_path / "logs",
+                 tee=Std.ALL, name="f")
+    result = ctx.wait(60)
+    ctx.close()
+    out, err = capfdbinary.readouterr()
+    assert result is not None and not result.is_failed(), err[-2000:]
+    logged = Path(result.stdouts[0]).read_bytes()
+    assert logged.endswith(b"\n" + line.encode() + b"\n")
+    shown = [x for x in out.splitlines() if x.startswith(b"[f0]:")]
+    assert shown == [b"[f0]:" + x for x in logged.splitlines()]
+    assert shown[-1] == b"[f0]:" + line.encode()
+
+
+def test_a_partial_line_at_a_page_boundary_is_still_shown_while_the_rank_waits(tmp_path, capfdbinary):
+    # What the rule above costs an idle rank whose partial line ends at a
+    # multiple of 4096 bytes (block-buffered output): it is shown after 1 s
+    # rather than 0.1 s, but shown while the rank waits.
+    go = tmp_path / "go"
+    first = "a" * 4095
+    ctx = launch("sh", {0: ("-c", f"printf '{first}\\n'; printf '%04096d' 7; "
+                                  f"while [ ! -e '{go}' ]; do sleep 0.01; done; printf ' end\\n'")},
+                 log_dir=tmp_path / "logs", tee=Std.ALL, name="f")
+    partial = b"[f0]:" + b"%04096d" % 7 + b"\n"
+    seen = b""
+    try:
+        deadline = time.monotonic() + 30
+        while partial not in seen and time.monotonic() < deadline:
+            time.sleep(0.02)
+            seen += capfdbinary.readouterr()[0]
+    finally:
+        go.touch()
+    result = ctx.wait(60)
+    ctx.close()
+    out = seen + capfdbinary.readouterr()[0]
+    assert Path(result.stdouts[0]).read_bytes() == first.encode() + b"\n" + b"%04096d" % 7 + b" end\n"
+    assert [x for x in out.splitlines() if x.startswith(b"[f0]:")] == [
+        b"[f0]:" + first.encode(), b"[f0]:" + b"%04096d" % 7, b"[f0]: end"]
 
 
 def test_both_streams_go_to_their_own_console(tmp_path, capfdbinary):
