@@ -147,16 +147,18 @@ def userfaultfd_available() -> bool:
     return True
 
 
-@pytest.mark.skipif(not userfaultfd_available(), reason="needs userfaultfd (x86-64, root or vm.unprivileged_userfaultfd)")
+@pytest.mark.skipif(not userfaultfd_available(),
+                    reason="needs userfaultfd (x86-64, root or vm.unprivileged_userfaultfd)")
 def test_a_line_whose_write_stalls_half_way_is_shown_whole(tmp_path, capfdbinary):
     # The pipe tee shows such a line whole (a write of up to PIPE_BUF bytes
     # reaches a pipe whole); the followed log's size ends at the page
-    # boundary inside it for half a second, longer than the idle partial
-    # line's 0.1 s.  It failed CI's poll round once, on a loaded machine.
+    # boundary inside it for 0.3 s, three times the idle partial line's
+    # 0.1 s.  (A preempted writer tore a line of the test above once, in
+    # CI's poll round on a loaded machine.)
     worker = tmp_path / "stalled_write.py"
     worker.write_text(STALLED_WRITE_WORKER)
     line = "line " + "y" * 3000
-    ctx = launch(sys.executable, {0: (str(worker), line, "1000", "0.5")}, log_dir=tmp_path / "logs",
+    ctx = launch(sys.executable, {0: (str(worker), line, "1000", "0.3")}, log_dir=tmp_path / "logs",
                  tee=Std.ALL, name="f")
     result = ctx.wait(60)
     ctx.close()
