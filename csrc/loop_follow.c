@@ -455,17 +455,10 @@ void torchmp_loop_follow_close(torchmp_loop *L, stream *s)
 
 int torchmp_loop_follow_hold(stream *s, int64_t now, int64_t *until)
 {
-    if (!s->following || s->follow_off % FOLLOW_WRITE_GRAIN != 0)
-        return 0;
-    if (s->follow_held_off != s->follow_off) {
-        /* First due at this size: the time so far counts. */
-        s->follow_held_off = s->follow_off;
-        s->follow_held_until = now + FOLLOW_OPEN_WRITE_NS - TORCHMP_PARTIAL_IDLE_NS;
-    }
-    if (now >= s->follow_held_until)
-        return 0;
-    *until = s->follow_held_until;
-    return 1;
+    (void)s; /* nothing is followed */
+    (void)now;
+    (void)until;
+    return 0;
 }
 
 int torchmp_loop_follow_timeout_ms(torchmp_loop *L)
