@@ -66,6 +66,20 @@ def test_a_last_line_without_newline_is_shown_at_the_exit(tmp_path, capfdbinary)
     assert sorted(out.splitlines()) == sorted([b"[f0]:one", b"[f0]:two", b"[f0]:three", b"[f1]:lonely"])
 
 
+def shown_while_waiting(capfdbinary, wanted: bytes, go: Path) -> bytes:
+    """The console's stdout until ``wanted`` is in it (30 s at most), then
+    ``go`` is made: the rank waits for it to go on."""
+    seen = b""
+    try:
+        deadline = time.monotonic() + 30
+        while wanted not in seen and time.monotonic() < deadline:
+            time.sleep(0.02)
+            seen += capfdbinary.readouterr()[0]
+    finally:
+        go.touch()
+    return seen
+
+
 def test_a_rank_writing_after_a_partial_line(tmp_path, capfdbinary):
     # A partial line that waits is shown while the rank waits (the pipe
     # tee's idle rule); its continuation then comes on a line of its own.
@@ -73,14 +87,7 @@ def test_a_rank_writing_after_a_partial_line(tmp_path, capfdbinary):
     ctx = launch("sh", {0: ("-c", f"printf 'start '; while [ ! -e '{go}' ]; do sleep 0.01; done; "
                                   "printf 'rest\\nnext\\n'")},
                  log_dir=tmp_path / "logs", tee=Std.ALL, name="f")
-    seen = b""
-    try:
-        deadline = time.monotonic() + 30
-        while b"[f0]:start \n" not in seen and time.monotonic() < deadline:
-            time.sleep(0.02)
-            seen += capfdbinary.readouterr()[0]
-    finally:
-        go.touch()
+    seen = shown_while_waiting(capfdbinary, b"[f0]:start \n", go)
     result = ctx.wait(60)
     ctx.close()
     out = seen + capfdbinary.readouterr()[0]
@@ -181,14 +188,7 @@ def test_a_partial_line_at_a_page_boundary_is_still_shown_while_the_rank_waits(t
                                   f"while [ ! -e '{go}' ]; do sleep 0.01; done; printf ' end\\n'")},
                  log_dir=tmp_path / "logs", tee=Std.ALL, name="f")
     partial = b"[f0]:" + b"%04096d" % 7 + b"\n"
-    seen = b""
-    try:
-        deadline = time.monotonic() + 30
-        while partial not in seen and time.monotonic() < deadline:
-            time.sleep(0.02)
-            seen += capfdbinary.readouterr()[0]
-    finally:
-        go.touch()
+    seen = shown_while_waiting(capfdbinary, partial, go)
     result = ctx.wait(60)
     ctx.close()
     out = seen + capfdbinary.readouterr()[0]
