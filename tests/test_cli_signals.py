@@ -40,7 +40,12 @@ RANK = textwrap.dedent("""\
         for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM):
             signal.signal(sig, on)
     print("ready", flush=True)
-    time.sleep(60)
+    # Short sleeps, not one long one: a signal that lands after the
+    # interpreter's last look for one and before the sleep's system call
+    # (the rank preempted just there) has its handler run when the sleep
+    # ends -- after one of 60 s, the launcher's SIGKILL.
+    for _ in range(1200):
+        time.sleep(0.05)
     sys.exit(5)
 """)
 

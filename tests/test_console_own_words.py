@@ -49,7 +49,8 @@ FAILFAST_WORKER = textwrap.dedent("""
     line = b"r%d " % rank + b"e" * 96 + b"\\n"
     os.write(2, line * 1000)
     note("filled.%d" % rank)
-    time.sleep(60)
+    for _ in range(1200):  # short sleeps: see test_cli_signals.RANK
+        time.sleep(0.05)
 """)
 
 LIBRARY_LAUNCHER = """

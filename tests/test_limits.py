@@ -48,7 +48,8 @@ RANK = textwrap.dedent("""\
     print("ready", flush=True)
     if sys.argv[1] == "fail" and rank == "1":
         sys.exit(3)
-    time.sleep(60)
+    for _ in range(1200):  # short sleeps: see test_cli_signals.RANK
+        time.sleep(0.05)
 """)
 
 
