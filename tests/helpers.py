@@ -90,6 +90,20 @@ def launch(entrypoint, args, envs=None, *, log_dir, redirects=Std.NONE, tee=Std.
     return torchmp.start_processes(name, entrypoint, args, envs, specs, **kwargs)
 
 
+def shown_while_waiting(capfdbinary, wanted: bytes, go: Path) -> bytes:
+    """The console's stdout until ``wanted`` is in it (30 s at most), then
+    ``go`` is made: the rank waits for it to go on."""
+    seen = b""
+    try:
+        deadline = time.monotonic() + 30
+        while wanted not in seen and time.monotonic() < deadline:
+            time.sleep(0.02)
+            seen += capfdbinary.readouterr()[0]
+    finally:
+        go.touch()
+    return seen
+
+
 def launcher_env(env=None, *, tag: str | None = None, unset: Iterable[str] = (),
                  trailing_pathsep: bool = False) -> dict[str, str]:
     """The environment of a launcher program: this one, with TORCHMP_PATH

@@ -19,7 +19,7 @@ import pytest
 
 from torchmp import Std, _core
 
-from helpers import launch
+from helpers import launch, shown_while_waiting
 
 pytestmark = pytest.mark.skipif(not _core.HAVE_FOLLOW, reason="this build cannot follow logs (no inotify)")
 
@@ -64,20 +64,6 @@ def test_a_last_line_without_newline_is_shown_at_the_exit(tmp_path, capfdbinary)
     assert Path(result.stdouts[0]).read_bytes() == b"one\ntwo\nthree"
     assert Path(result.stdouts[1]).read_bytes() == b"lonely"
     assert sorted(out.splitlines()) == sorted([b"[f0]:one", b"[f0]:two", b"[f0]:three", b"[f1]:lonely"])
-
-
-def shown_while_waiting(capfdbinary, wanted: bytes, go: Path) -> bytes:
-    """The console's stdout until ``wanted`` is in it (30 s at most), then
-    ``go`` is made: the rank waits for it to go on."""
-    seen = b""
-    try:
-        deadline = time.monotonic() + 30
-        while wanted not in seen and time.monotonic() < deadline:
-            time.sleep(0.02)
-            seen += capfdbinary.readouterr()[0]
-    finally:
-        go.touch()
-    return seen
 
 
 def test_a_rank_writing_after_a_partial_line(tmp_path, capfdbinary):
