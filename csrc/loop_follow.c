@@ -39,14 +39,12 @@
  * so a reader can see the first part of a line the worker wrote in one
  * write() while the writer is preempted, or waits for a page of its buffer
  * to fault in, before the rest.  Those intermediate sizes are multiples of
- * the page size (4096 divides every page and folio size).  A pipe has no
- * such state: a write of up to PIPE_BUF bytes arrives whole.  So a partial
- * line that ends at a multiple of 4096 is given this long in all, not only
- * TORCHMP_PARTIAL_IDLE_NS, for its write to finish (whose end inotify then
- * reports) before it is shown as a partial line.  A worker idle after such
- * a line -- one in 4096 of idle partial lines, more with block-buffered
- * output, whose flushes are page multiples -- has it shown this late. */
-#define FOLLOW_OPEN_WRITE_NS (1000 * 1000000LL)
+ * the page size (4096 divides every page and folio size), so a log read to
+ * such a size may end inside a write: its partial line waits for the rest,
+ * whose end inotify then reports (stream_hold in loop_streams.c).  A worker
+ * idle after such a line -- one in 4096 of idle partial lines, more with
+ * block-buffered output, whose flushes are page multiples -- has it shown
+ * late. */
 #define FOLLOW_WRITE_GRAIN 4096
 
 #ifdef TORCHMP_HAVE_INOTIFY
@@ -261,19 +259,10 @@ void torchmp_loop_follow_event(torchmp_loop *L)
     }
 }
 
-int torchmp_loop_follow_hold(stream *s, int64_t now, int64_t *until)
+int torchmp_loop_follow_mid_write(const stream *s, uint64_t *at)
 {
-    if (!s->following || s->follow_off % FOLLOW_WRITE_GRAIN != 0)
-        return 0;
-    if (s->follow_held_off != s->follow_off) {
-        /* First due at this size: the time so far counts. */
-        s->follow_held_off = s->follow_off;
-        s->follow_held_until = now + FOLLOW_OPEN_WRITE_NS - TORCHMP_PARTIAL_IDLE_NS;
-    }
-    if (now >= s->follow_held_until)
-        return 0;
-    *until = s->follow_held_until;
-    return 1;
+    *at = s->follow_off;
+    return s->following && s->follow_off % FOLLOW_WRITE_GRAIN == 0;
 }
 
 int torchmp_loop_follow_timeout_ms(torchmp_loop *L)
@@ -377,8 +366,8 @@ int torchmp_loop_follow_open(torchmp_loop *L, stream *s, const torchmp_stream_sp
     s->follow_dev = st.st_dev;
     s->follow_ino = st.st_ino;
     s->follow_off = 0;
-    s->follow_held_off = 0;
-    s->follow_held_until = 0;
+    s->held_at = 0;
+    s->held_until = 0;
     s->log_fd = -1;
     /* The worker's fd stands in for the log the feed reads back. */
     if (torchmp_loop_stream_tee_init(L, s, spec, fd) != 0)
@@ -453,11 +442,10 @@ void torchmp_loop_follow_close(torchmp_loop *L, stream *s)
     (void)s;
 }
 
-int torchmp_loop_follow_hold(stream *s, int64_t now, int64_t *until)
+int torchmp_loop_follow_mid_write(const stream *s, uint64_t *at)
 {
-    (void)s; /* nothing is followed */
-    (void)now;
-    (void)until;
+    *at = 0; /* nothing is followed */
+    (void)s;
     return 0;
 }
 

@@ -172,6 +172,12 @@ typedef struct stream {
     size_t ret_len, ret_cap;
     int ret_errno;
     int pipe_grown;            /* bytes of pipe capacity taken from the budget; -1: gave up */
+    uint64_t pipe_read;        /* bytes read from the pipe so far */
+    uint64_t pipe_full_end;    /* pipe_read after a read that emptied a full pipe (0: not the last read) */
+    /* A due partial line that may end inside a write under way waits
+     * (loop_streams.c's stream_hold): where in the stream, and until when. */
+    uint64_t held_at;
+    int64_t held_until;
     /* mu: what failure reports and hang reports read from other threads */
     int open;                  /* the pipe is being drained */
     int64_t last_data_ns;      /* when bytes last came, 0: never */
@@ -186,8 +192,6 @@ typedef struct stream {
     dev_t follow_dev;
     ino_t follow_ino;
     uint64_t follow_off;       /* bytes read so far */
-    uint64_t follow_held_off;  /* the follow_off a partial line is held at, */
-    int64_t follow_held_until; /* and until when (torchmp_loop_follow_hold) */
     stream_link follow_dirty;  /* on L->follow_dirty: bytes may wait */
 } stream;
 
@@ -441,9 +445,9 @@ void torchmp_loop_follow_pump(torchmp_loop *L);
 /* Read the log to the size it has now (the worker exited). */
 void torchmp_loop_follow_drain(torchmp_loop *L, stream *s);
 void torchmp_loop_follow_close(torchmp_loop *L, stream *s);
-/* Whether s's due partial line must wait (a write may be half done): 1,
- * with *until the time to look again; 0: show it now. */
-int torchmp_loop_follow_hold(stream *s, int64_t now, int64_t *until);
+/* Whether the followed log's bytes so far may end inside a write under
+ * way; *at: where (its follow_off). */
+int torchmp_loop_follow_mid_write(const stream *s, uint64_t *at);
 /* poller timeout for followed logs (-1: none). */
 int torchmp_loop_follow_timeout_ms(torchmp_loop *L);
 /* The bytes read from a log (or a pipe): to the console, tail, filters. */

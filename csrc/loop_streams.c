@@ -181,6 +181,51 @@ static void stream_flush_partial(torchmp_loop *L, stream *s)
     torchmp_stream_list_remove(&L->timed, s);
 }
 
+/* A pipe shows a reader part of one write() only once the write has filled
+ * it: the kernel copies a write under the pipe's lock and lets go of the
+ * lock only to wait for room.  A writer stopped there (SIGSTOP, a debugger)
+ * or starved of CPU on a loaded machine has the first part of its line read
+ * and the rest still to write.  So a read that emptied a full pipe -- its
+ * size within an eighth of the capacity: the last page of each write may be
+ * part full -- may end inside a write. */
+static int pipe_mid_write(const stream *s, uint64_t *at)
+{
+    *at = s->pipe_read;
+    return s->pipe_full_end != 0 && s->pipe_full_end == s->pipe_read;
+}
+
+static size_t pipe_capacity(const stream *s)
+{
+    return DEFAULT_PIPE_SIZE + (s->pipe_grown > 0 ? (size_t)s->pipe_grown : 0);
+}
+
+/* How long in all a due partial line that may end inside a write under way
+ * waits for the rest, rather than TORCHMP_PARTIAL_IDLE_NS: a worker idle
+ * after such a line (a prompt after a burst that filled the pipe, the
+ * last of a block-buffered flush to a followed log) has it shown this
+ * late. */
+#define MID_WRITE_HOLD_NS (1000 * 1000000LL)
+
+/* Whether s's due partial line must wait because its bytes may end inside
+ * one write() the kernel has copied only in part: 1, with *until the time
+ * to look again; 0: show it now.  The time since the line became due at
+ * this place counts; new bytes start it again. */
+static int stream_hold(stream *s, int64_t now, int64_t *until)
+{
+    uint64_t at;
+    int maybe = s->following ? torchmp_loop_follow_mid_write(s, &at) : pipe_mid_write(s, &at);
+    if (!maybe)
+        return 0;
+    if (s->held_at != at) {
+        s->held_at = at;
+        s->held_until = now + MID_WRITE_HOLD_NS - TORCHMP_PARTIAL_IDLE_NS;
+    }
+    if (now >= s->held_until)
+        return 0;
+    *until = s->held_until;
+    return 1;
+}
+
 /* The framers whose time has come: idle partial lines, progress states. */
 void torchmp_loop_streams_tick(torchmp_loop *L)
 {
@@ -204,8 +249,8 @@ void torchmp_loop_streams_tick(torchmp_loop *L)
             continue;
         }
         d = stream_deadline(s);
-        if (d != 0 && d <= now && torchmp_loop_follow_hold(s, now, &d)) {
-            /* A followed log's size may end inside a write under way. */
+        if (d != 0 && d <= now && stream_hold(s, now, &d)) {
+            /* The bytes read so far may end inside a write under way. */
             if (L->next_deadline_ns == 0 || d < L->next_deadline_ns)
                 L->next_deadline_ns = d;
             continue;
@@ -301,6 +346,9 @@ void torchmp_loop_stream_pump(torchmp_loop *L, stream *s, long limit)
         }
         n = read(s->fd, L->readbuf, want);
         if (n > 0) {
+            size_t capacity = pipe_capacity(s);
+            s->pipe_read += (uint64_t)n;
+            s->pipe_full_end = (size_t)n >= capacity - capacity / 8 ? s->pipe_read : 0;
             stream_maybe_grow(L, s, (size_t)n);
             torchmp_loop_stream_consume(L, s, L->readbuf, (size_t)n);
             if (limit >= 0)

@@ -1,16 +1,19 @@
 """Redirect and tee: exact bytes in the log files, whole lines on the console."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from torchmp import Std, _core
 
-from helpers import WORKERS, kill_groups, launch, read_pids, run_launcher, wait_gone
+from helpers import WORKERS, kill_groups, launch, read_pids, run_launcher, shown_while_waiting, wait_gone
 
 NON_UTF8 = b"caf\xe9 \xff\xfe bytes\x00nul\r\n"
 
@@ -242,3 +245,86 @@ def test_log_line_timestamps_on_console_not_in_log(tmp_path, capfdbinary):
     for line, text in zip(lines, (b"one", b"two"), strict=True):
         assert re.fullmatch(rb"\[trainer0\]:\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z " + text, line), line
     assert Path(result.stdouts[0]).read_bytes() == b"one\ntwo\n"
+
+
+# A rank writing 200 KB lines, each in one write(), as fast as it can: the
+# pipe is full most of the time, so a stop usually lands inside a write,
+# with the first part of a line already read.
+LONG_LINES = """
+import os, sys
+line = b"L" * 199_999 + b"\\n"
+for _ in range(int(sys.argv[1])):
+    view = memoryview(line)
+    while view:
+        view = view[os.write(1, view):]
+"""
+LONG_LINE = 200_000
+
+
+def _stable_size(path: Path) -> int:
+    size = -1
+    while True:
+        time.sleep(0.05)
+        now = path.stat().st_size if path.exists() else 0
+        if now == size:
+            return size
+        size = now
+
+
+def test_a_line_whose_writer_stops_half_way_through_a_full_pipe_is_shown_whole(tmp_path, capfdbinary):
+    # A write longer than the free pipe space is copied up to a full pipe,
+    # and the writer waits for room; stopped there (SIGSTOP, or starved on a
+    # loaded machine) for longer than the idle partial-line time, it has
+    # the first part of its line read and the rest still to come.  The
+    # console must show that line whole once the rest comes.
+    lines = 150
+    ctx = launch(sys.executable, {0: ("-c", LONG_LINES, str(lines))}, log_dir=tmp_path, tee=Std.OUT, name="w")
+    pid = ctx.pids()[0]
+    log = Path(ctx.stdouts[0])
+    try:
+        stopped_inside = False
+        for _ in range(50):
+            os.kill(pid, signal.SIGSTOP)
+            size = _stable_size(log)
+            if size % LONG_LINE:
+                stopped_inside = True
+                time.sleep(0.4)   # past the idle time (0.1 s), short of the hold (1 s)
+                os.kill(pid, signal.SIGCONT)
+                break
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.01)
+        else:
+            os.kill(pid, signal.SIGCONT)
+        result = ctx.wait(60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)  # never leave it stopped, whatever failed
+        ctx.close()
+    assert stopped_inside, "never stopped the rank inside a line"
+    assert result is not None and not result.is_failed()
+    assert log.read_bytes() == (b"L" * 199_999 + b"\n") * lines
+    out, _ = capfdbinary.readouterr()
+    shown = [line for line in out.split(b"\n") if line.startswith(b"[w0]:")]
+    assert [len(line) for line in shown if line != b"[w0]:" + b"L" * 199_999] == []
+    assert len(shown) == lines
+
+
+def test_a_partial_line_after_a_burst_that_filled_the_pipe_is_still_shown_while_the_rank_waits(tmp_path, capfdbinary):
+    # What the hold above costs an idle rank: a prompt that ends one write()
+    # of 64 KiB, which filled the pipe, is shown after 1 s rather than
+    # 0.1 s -- but shown while the rank waits.
+    go = tmp_path / "go"
+    prompt = b"prompt> "
+    lines = b"".join(b"%099d\n" % i for i in range((65536 - len(prompt)) // 100))
+    burst = lines + b"-" * (65536 - len(prompt) - len(lines) - 1) + b"\n" + prompt
+    script = (f"import os, time\nos.write(1, {burst!r})\n"
+              f"while not os.path.exists({str(go)!r}): time.sleep(0.01)\nos.write(1, b' end\\n')\n")
+    ctx = launch(sys.executable, {0: ("-c", script)}, log_dir=tmp_path / "logs", tee=Std.OUT, name="p")
+    seen = shown_while_waiting(capfdbinary, b"[p0]:" + prompt + b"\n", go)
+    result = ctx.wait(60)
+    ctx.close()
+    out = seen + capfdbinary.readouterr()[0]
+    assert len(burst) == 65536
+    assert Path(result.stdouts[0]).read_bytes() == burst + b" end\n"
+    want = [b"[p0]:" + line for line in burst.split(b"\n")[:-1]] + [b"[p0]:" + prompt, b"[p0]: end"]
+    assert [x for x in out.splitlines() if x.startswith(b"[p0]:")] == want
