@@ -105,6 +105,7 @@ cdef extern from "torchmp.h" nogil:
         const torchmp_filters *filters
         int *filtered_errno
         int64_t realtime_ns
+        int mid_write
 
     void torchmp_framer_init(torchmp_framer *f, const char *prefix, size_t prefix_len, size_t max_line)
     void torchmp_framer_free(torchmp_framer *f)

@@ -465,7 +465,8 @@ int torchmp_framer_feed(torchmp_framer *f, const char *data, size_t len, int64_t
         f->shown_valid = 0;
         p = nl + 1;
     }
-    show_due(&e, f, now_ns);
+    if (!sinks->mid_write)
+        show_due(&e, f, now_ns);
     set_deadline(f);
     emitter_flush(&e);
     if (rc != 0)

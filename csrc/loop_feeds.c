@@ -59,9 +59,11 @@ static torchmp_line_sinks feed_sinks(torchmp_loop *L, feed *f, int64_t realtime_
     return sinks;
 }
 
-static void frame(torchmp_loop *L, feed *f, const char *data, size_t len, int64_t now, int64_t realtime_ns)
+static void frame(torchmp_loop *L, feed *f, const char *data, size_t len, int64_t now, int64_t realtime_ns,
+                  int mid_write)
 {
     torchmp_line_sinks sinks = feed_sinks(L, f, realtime_ns);
+    sinks.mid_write = mid_write;
     (void)torchmp_framer_feed(&f->framer, data, len, now, &sinks);
     torchmp_loop_entry_after_submit(L, f->entry, sinks.console_waiting);
 }
@@ -116,6 +118,7 @@ static void arrivals_merge(feed *f)
         if (a.tick_ns == 0 && from < end) {
             a.end = f->arrivals[from].end;
             a.tick_ns = f->arrivals[from].tick_ns;
+            a.mid_write = f->arrivals[from].mid_write;
             from++;
         }
         f->arrivals[to++] = a;
@@ -126,13 +129,14 @@ static void arrivals_merge(feed *f)
 }
 
 /* Bytes of a held feed up to log offset `end` came at mono/real. */
-static void arrival_add(feed *f, uint64_t end, int64_t mono, int64_t real)
+static void arrival_add(feed *f, uint64_t end, int64_t mono, int64_t real, int mid_write)
 {
     arrival *a;
     if (f->arrivals_len > 0) {
         a = &f->arrivals[f->arrivals_first + f->arrivals_len - 1];
         if (a->tick_ns == 0 && mono - a->mono_ns < f->arrival_grain_ns) {
             a->end = end;
+            a->mid_write = mid_write;
             return;
         }
     }
@@ -154,6 +158,7 @@ static void arrival_add(feed *f, uint64_t end, int64_t mono, int64_t real)
             /* Nothing merged (a tick after every record): the newest
              * record takes these bytes too. */
             f->arrivals[f->arrivals_len - 1].end = end;
+            f->arrivals[f->arrivals_len - 1].mid_write = mid_write;
             return;
         }
     }
@@ -162,6 +167,7 @@ static void arrival_add(feed *f, uint64_t end, int64_t mono, int64_t real)
     a->mono_ns = mono;
     a->real_ns = real;
     a->tick_ns = 0;
+    a->mid_write = mid_write;
 }
 
 static void held_add(torchmp_loop *L, feed *f)
@@ -388,7 +394,8 @@ void torchmp_loop_feed_tick(torchmp_loop *L, feed *f, int64_t now)
         frame_tick(L, f, now, 0);
 }
 
-void torchmp_loop_feed_push(torchmp_loop *L, feed *f, const char *data, size_t len, int64_t now, int logged_ok)
+void torchmp_loop_feed_push(torchmp_loop *L, feed *f, const char *data, size_t len, int64_t now, int logged_ok,
+                            int mid_write)
 {
     const char *nl;
     if (f->log_ok && !logged_ok)
@@ -403,7 +410,7 @@ void torchmp_loop_feed_push(torchmp_loop *L, feed *f, const char *data, size_t l
         data = nl + 1;
     }
     if (!f->log_ok) {
-        frame(L, f, data, len, now, 0);
+        frame(L, f, data, len, now, 0, mid_write);
         return;
     }
     f->logged += len;
@@ -421,7 +428,9 @@ void torchmp_loop_feed_push(torchmp_loop *L, feed *f, const char *data, size_t l
             piece = piece_for(f, room);
             if (piece > len)
                 piece = len;
-            frame(L, f, data, piece, now, 0);
+            /* A piece the rest of these bytes follow is no place to show a
+             * partial line at. */
+            frame(L, f, data, piece, now, 0, piece < len || mid_write);
             f->framed += piece;
             data += piece;
             len -= piece;
@@ -435,7 +444,7 @@ void torchmp_loop_feed_push(torchmp_loop *L, feed *f, const char *data, size_t l
             torchmp_loop_stream_rearm(L, f->stream);
     }
     f->held_newlines += count_newlines(data, len);
-    arrival_add(f, f->logged, now, clock_ns(CLOCK_REALTIME));
+    arrival_add(f, f->logged, now, clock_ns(CLOCK_REALTIME), mid_write);
     /* The unterminated line the live path's timer would be watching. */
     nl = memrchr(data, '\n', len);
     if (nl != NULL) {
@@ -516,14 +525,18 @@ static size_t catch_up_piece(torchmp_loop *L, feed *f, size_t room)
         size_t n = (size_t)(stop - p);
         int64_t mono = clock_ns(CLOCK_MONOTONIC), real = 0;
         arrival *a = f->arrivals_len > 0 ? &f->arrivals[f->arrivals_first] : NULL;
+        int mid_write = f->framed + n < end; /* the rest of the held bytes follow */
         if (a != NULL) {
             if (a->end - f->framed < n)
                 n = (size_t)(a->end - f->framed);
             mono = a->mono_ns;
             real = a->real_ns;
+            /* As the live path framed them: the arrival whole, and at its
+             * end as the read that brought it ended. */
+            mid_write = f->framed + n < a->end || a->mid_write;
         }
         f->held_newlines -= count_newlines(p, n);
-        frame(L, f, p, n, mono, real);
+        frame(L, f, p, n, mono, real, mid_write);
         f->framed += n;
         p += n;
         if (a != NULL && a->end <= f->framed) {

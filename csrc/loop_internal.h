@@ -88,12 +88,15 @@ typedef struct console_entry {
     struct console_entry *next;
 } console_entry;
 
-/* When bytes of a held-back feed arrived: up to log offset `end`; and
- * whether the live path's timer would have run after them, and when. */
+/* When bytes of a held-back feed arrived: up to log offset `end`; whether
+ * they may end inside a write under way (the live path would have left a due
+ * partial line to its timer); and whether that timer would have run after
+ * them, and when. */
 typedef struct arrival {
     uint64_t end;
     int64_t mono_ns, real_ns;
     int64_t tick_ns;           /* 0: no tick */
+    int mid_write;
 } arrival;
 
 /* A teed stream as its console sees it: its framing, and -- while the
@@ -172,6 +175,7 @@ typedef struct stream {
     size_t ret_len, ret_cap;
     int ret_errno;
     int pipe_grown;            /* bytes of pipe capacity taken from the budget; -1: gave up */
+    size_t pipe_size;          /* the pipe's capacity, once a read was a page or more (0: not asked) */
     uint64_t pipe_read;        /* bytes read from the pipe so far */
     uint64_t pipe_full_end;    /* pipe_read after a read that emptied a full pipe (0: not the last read) */
     /* A due partial line that may end inside a write under way waits
@@ -459,8 +463,10 @@ void torchmp_loop_stream_consume(torchmp_loop *L, stream *s, const char *data, s
  * log_fd its log (or -1); NULL with errno. */
 feed *torchmp_loop_feed_open(torchmp_loop *L, stream *s, const torchmp_stream_spec *spec, int log_fd);
 /* Bytes of the stream that arrived at now (already in its log if
- * logged_ok): framed for the console, or held back. */
-void torchmp_loop_feed_push(torchmp_loop *L, feed *f, const char *data, size_t len, int64_t now, int logged_ok);
+ * logged_ok): framed for the console, or held back.  mid_write: they may
+ * end inside a write under way (torchmp_line_sinks.mid_write). */
+void torchmp_loop_feed_push(torchmp_loop *L, feed *f, const char *data, size_t len, int64_t now, int logged_ok,
+                            int mid_write);
 /* When the feed's timer has work (0: none), and that work. */
 int64_t torchmp_loop_feed_deadline(const feed *f);
 void torchmp_loop_feed_tick(torchmp_loop *L, feed *f, int64_t now);

@@ -138,9 +138,51 @@ static void tail_append_locked(stream *s, const char *data, size_t len)
     s->tail_len = s->tail_len + len > s->tail_cap ? s->tail_cap : s->tail_len + len;
 }
 
+/* A pipe shows a reader part of one write() only once the write has filled
+ * it: the kernel copies a write under the pipe's lock and lets go of the
+ * lock only to wait for room.  A writer stopped there (SIGSTOP, a debugger)
+ * or starved of CPU on a loaded machine has the first part of its line read
+ * and the rest still to write.  So a read that emptied a full pipe -- its
+ * size within an eighth of the capacity: the last page of each write may be
+ * part full -- may end inside a write. */
+static int pipe_mid_write(const stream *s, uint64_t *at)
+{
+    *at = s->pipe_read;
+    return s->pipe_full_end != 0 && s->pipe_full_end == s->pipe_read;
+}
+
+/* Whether the bytes of s read so far may end inside a write under way;
+ * *at: where. */
+static int stream_mid_write(const stream *s, uint64_t *at)
+{
+    return s->following ? torchmp_loop_follow_mid_write(s, at) : pipe_mid_write(s, at);
+}
+
+/* Whether a read of n bytes emptied a full pipe.  Only reads of a page or
+ * more can: the capacity is asked for then (a user over its pipe pages gets
+ * two-page pipes), and kept (stream_maybe_grow keeps it up to date). */
+static int pipe_read_was_full(stream *s, size_t n)
+{
+    size_t margin;
+    if (n < 4096)
+        return 0;
+    if (s->pipe_size == 0) {
+#ifdef F_GETPIPE_SZ
+        int size = fcntl(s->fd, F_GETPIPE_SZ);
+        s->pipe_size = size > 0 ? (size_t)size : DEFAULT_PIPE_SIZE;
+#else
+        s->pipe_size = DEFAULT_PIPE_SIZE;
+#endif
+    }
+    margin = s->pipe_size / 8 > 4096 ? s->pipe_size / 8 : 4096;
+    return n + margin >= s->pipe_size;
+}
+
 void torchmp_loop_stream_consume(torchmp_loop *L, stream *s, const char *data, size_t len)
 {
     int64_t now;
+    uint64_t at;
+    int mid_write;
     if (s->which == STREAM_RET) {
         ret_append(L, s, data, len);
         if (s->proc->by_forkserver)
@@ -159,12 +201,16 @@ void torchmp_loop_stream_consume(torchmp_loop *L, stream *s, const char *data, s
     if (s->tail != NULL)
         tail_append_locked(s, data, len);
     pthread_mutex_unlock(&L->mu);
+    /* A due partial line these bytes may end inside a write under way is
+     * left to the timer, where stream_hold decides. */
+    mid_write = stream_mid_write(s, &at);
     if (filtered(s)) {
         torchmp_line_sinks sinks = filtered_sinks(s);
+        sinks.mid_write = mid_write;
         (void)torchmp_framer_feed(&s->framer, data, len, now, &sinks);
     }
     if (s->feed != NULL)
-        torchmp_loop_feed_push(L, s->feed, data, len, now, s->log_fd >= 0 || s->following);
+        torchmp_loop_feed_push(L, s->feed, data, len, now, s->log_fd >= 0 || s->following, mid_write);
     torchmp_loop_stream_rearm(L, s);
 }
 
@@ -181,24 +227,6 @@ static void stream_flush_partial(torchmp_loop *L, stream *s)
     torchmp_stream_list_remove(&L->timed, s);
 }
 
-/* A pipe shows a reader part of one write() only once the write has filled
- * it: the kernel copies a write under the pipe's lock and lets go of the
- * lock only to wait for room.  A writer stopped there (SIGSTOP, a debugger)
- * or starved of CPU on a loaded machine has the first part of its line read
- * and the rest still to write.  So a read that emptied a full pipe -- its
- * size within an eighth of the capacity: the last page of each write may be
- * part full -- may end inside a write. */
-static int pipe_mid_write(const stream *s, uint64_t *at)
-{
-    *at = s->pipe_read;
-    return s->pipe_full_end != 0 && s->pipe_full_end == s->pipe_read;
-}
-
-static size_t pipe_capacity(const stream *s)
-{
-    return DEFAULT_PIPE_SIZE + (s->pipe_grown > 0 ? (size_t)s->pipe_grown : 0);
-}
-
 /* How long in all a due partial line that may end inside a write under way
  * waits for the rest, rather than TORCHMP_PARTIAL_IDLE_NS: a worker idle
  * after such a line (a prompt after a burst that filled the pipe, the
@@ -213,8 +241,7 @@ static size_t pipe_capacity(const stream *s)
 static int stream_hold(stream *s, int64_t now, int64_t *until)
 {
     uint64_t at;
-    int maybe = s->following ? torchmp_loop_follow_mid_write(s, &at) : pipe_mid_write(s, &at);
-    if (!maybe)
+    if (!stream_mid_write(s, &at))
         return 0;
     if (s->held_at != at) {
         s->held_at = at;
@@ -291,6 +318,7 @@ static void stream_maybe_grow(torchmp_loop *L, stream *s, size_t just_read)
         return;
     got = fcntl(s->fd, F_SETPIPE_SZ, BUSY_PIPE_SIZE);
     if (got > DEFAULT_PIPE_SIZE) {
+        s->pipe_size = (size_t)got;
         s->pipe_grown = got - DEFAULT_PIPE_SIZE;
         L->pipe_budget -= s->pipe_grown;
     } else {
@@ -346,9 +374,8 @@ void torchmp_loop_stream_pump(torchmp_loop *L, stream *s, long limit)
         }
         n = read(s->fd, L->readbuf, want);
         if (n > 0) {
-            size_t capacity = pipe_capacity(s);
             s->pipe_read += (uint64_t)n;
-            s->pipe_full_end = (size_t)n >= capacity - capacity / 8 ? s->pipe_read : 0;
+            s->pipe_full_end = pipe_read_was_full(s, (size_t)n) ? s->pipe_read : 0;
             stream_maybe_grow(L, s, (size_t)n);
             torchmp_loop_stream_consume(L, s, L->readbuf, (size_t)n);
             if (limit >= 0)

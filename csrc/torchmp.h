@@ -337,6 +337,11 @@ typedef struct torchmp_line_sinks {
     const torchmp_filters *filters;    /* NULL: no filtered copy */
     int *filtered_errno;
     int64_t realtime_ns;               /* the lines' arrival for timestamps (0: now) */
+    /* The bytes fed may end inside a write the worker has not finished, or
+     * more of the same arrival follows at once: a due partial line is not
+     * shown at feed time but left to the caller's timer, which knows when
+     * the rest is past waiting for. */
+    int mid_write;
 } torchmp_line_sinks;
 
 void torchmp_framer_init(torchmp_framer *f, const char *prefix, size_t prefix_len, size_t max_line);

@@ -171,6 +171,62 @@ def test_held_back_lines_come_out_as_the_live_path_shows_them(tmp_path):
     assert Path(result.stdouts[0]).read_bytes().endswith(b"line A\nline B\npart C and D\ntail without a newline")
 
 
+# A writer that stops right after a write() that filled the pipe, as one
+# stopped (SIGSTOP) or starved inside a longer write() does: the launcher
+# reads a full pipe, then nothing for 0.3 s, then another full pipe, then
+# (50 ms later) the rest of the line.  The pipe is made 32 KiB first: the launcher grows
+# only pipes it reads 64 KiB from at once, so the size stays the one the
+# writer fills, and the line stays shorter than the 256 KiB pieces that
+# every longer line is cut into.
+FULL_PIPE_PAUSE = textwrap.dedent("""
+    import array, fcntl, os, termios, time
+    cap = fcntl.fcntl(1, fcntl.F_SETPIPE_SZ, 32768)
+
+    def fill(data):
+        # Into the empty pipe, exactly its size: one read takes it all.
+        left = array.array("i", [0])
+        while fcntl.ioctl(1, termios.FIONREAD, left) == 0 and left[0] > 0:
+            time.sleep(0.001)
+        assert len(data) == cap == fcntl.fcntl(1, fcntl.F_GETPIPE_SZ)
+        os.write(1, data)
+
+    os.write(1, b"".join(b"%099d\\n" % i for i in range(1000)))  # more than the console takes
+    fill(b"before\\n" + b"L" * (cap - 7))
+    time.sleep(0.3)
+    fill(b"L" * cap)
+    time.sleep(0.05)
+    os.write(1, b"L" * 1000 + b"\\n" + b"after\\n")
+""")
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["live", "held-back"])
+def test_a_line_whose_writer_stopped_after_filling_the_pipe_comes_out_whole(tmp_path, held):
+    # Live, and held back (the console stuck from the start: past the first
+    # 16 KiB, the lines are framed later from the log at the times their
+    # bytes came): the line comes out whole, not cut where the writer
+    # stopped.
+    sink = SlowConsole(rate=1e9)
+    if held:
+        sink.open.clear()  # let go 1.5 s on, after the worker's 0.3 s
+    release = threading.Timer(1.5, sink.open.set)
+    with contextlib.redirect_stdout(sink):
+        ctx = launch(sys.executable, {0: ("-c", FULL_PIPE_PAUSE)}, log_dir=tmp_path / "logs", tee=Std.OUT,
+                     name="s", console_backlog=16 * 1024)
+        release.start()
+        try:
+            result = ctx.wait(60)
+        finally:
+            release.cancel()
+            sink.open.set()
+            ctx.close()
+    assert result is not None and not result.is_failed()
+    log = Path(result.stdouts[0]).read_bytes()
+    numbered = b"".join(b"%099d\n" % i for i in range(1000))
+    line = b"L" * (2 * 32768 - 7 + 1000)
+    assert log == numbered + b"before\n" + line + b"\nafter\n"
+    assert sink.text() == "".join(f"[s0]:{x}\n" for x in log.decode().split("\n")[:-1])
+
+
 LOST_WORKER = textwrap.dedent("""
     import os, sys, time
     for i in range(4000):
