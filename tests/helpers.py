@@ -104,6 +104,52 @@ def shown_while_waiting(capfdbinary, wanted: bytes, go: Path) -> bytes:
     return seen
 
 
+# A rank writing 200 KB lines, each in one write(), as fast as it can: the
+# pipe is full most of the time, so a stop usually lands inside a write,
+# with the first part of a line already read (a write longer than the free
+# pipe space is copied up to a full pipe, and the writer waits for room).
+LONG_LINES = """
+import os, sys
+line = b"L" * 199_999 + b"\\n"
+for _ in range(int(sys.argv[1])):
+    view = memoryview(line)
+    while view:
+        view = view[os.write(1, view):]
+"""
+LONG_LINE_BYTES = b"L" * 199_999 + b"\n"
+
+
+def _stable_size(path: Path) -> int:
+    size = -1
+    while True:
+        time.sleep(0.05)
+        now = path.stat().st_size if path.exists() else 0
+        if now == size:
+            return size
+        size = now
+
+
+def stop_inside_a_long_line(pid: int, log: Path) -> float | None:
+    """Stop a LONG_LINES rank (SIGSTOP) until the stop lands inside a line,
+    as its log shows once the launcher has read all there is; keep it
+    stopped past the idle partial-line time (0.1 s), and go on (SIGCONT).
+    How long it was stopped, or None if no stop landed inside a line in 50
+    tries.  The caller sends SIGCONT again in its cleanup, whatever failed."""
+    for _ in range(50):
+        stopped = time.monotonic()
+        os.kill(pid, signal.SIGSTOP)
+        if _stable_size(log) % len(LONG_LINE_BYTES):
+            # Stopped for 0.2 s or more in all (the stable size took 0.1 s):
+            # twice the idle time, and well short of the launcher's 1 s hold
+            # on a loaded machine.
+            time.sleep(0.1)
+            os.kill(pid, signal.SIGCONT)
+            return time.monotonic() - stopped
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.01)
+    return None
+
+
 def launcher_env(env=None, *, tag: str | None = None, unset: Iterable[str] = (),
                  trailing_pathsep: bool = False) -> dict[str, str]:
     """The environment of a launcher program: this one, with TORCHMP_PATH

@@ -13,7 +13,8 @@ import pytest
 
 from torchmp import Std, _core
 
-from helpers import WORKERS, kill_groups, launch, read_pids, run_launcher, shown_while_waiting, wait_gone
+from helpers import (LONG_LINE_BYTES, LONG_LINES, WORKERS, kill_groups, launch, read_pids, run_launcher,
+                     shown_while_waiting, stop_inside_a_long_line, wait_gone)
 
 NON_UTF8 = b"caf\xe9 \xff\xfe bytes\x00nul\r\n"
 
@@ -247,30 +248,6 @@ def test_log_line_timestamps_on_console_not_in_log(tmp_path, capfdbinary):
     assert Path(result.stdouts[0]).read_bytes() == b"one\ntwo\n"
 
 
-# A rank writing 200 KB lines, each in one write(), as fast as it can: the
-# pipe is full most of the time, so a stop usually lands inside a write,
-# with the first part of a line already read.
-LONG_LINES = """
-import os, sys
-line = b"L" * 199_999 + b"\\n"
-for _ in range(int(sys.argv[1])):
-    view = memoryview(line)
-    while view:
-        view = view[os.write(1, view):]
-"""
-LONG_LINE = 200_000
-
-
-def _stable_size(path: Path) -> int:
-    size = -1
-    while True:
-        time.sleep(0.05)
-        now = path.stat().st_size if path.exists() else 0
-        if now == size:
-            return size
-        size = now
-
-
 def test_a_line_whose_writer_stops_half_way_through_a_full_pipe_is_shown_whole(tmp_path, capfdbinary):
     # A write longer than the free pipe space is copied up to a full pipe,
     # and the writer waits for room; stopped there (SIGSTOP, or starved on a
@@ -282,30 +259,21 @@ def test_a_line_whose_writer_stops_half_way_through_a_full_pipe_is_shown_whole(t
     pid = ctx.pids()[0]
     log = Path(ctx.stdouts[0])
     try:
-        stopped_inside = False
-        for _ in range(50):
-            os.kill(pid, signal.SIGSTOP)
-            size = _stable_size(log)
-            if size % LONG_LINE:
-                stopped_inside = True
-                time.sleep(0.4)   # past the idle time (0.1 s), short of the hold (1 s)
-                os.kill(pid, signal.SIGCONT)
-                break
-            os.kill(pid, signal.SIGCONT)
-            time.sleep(0.01)
-        else:
-            os.kill(pid, signal.SIGCONT)
+        stopped_for = stop_inside_a_long_line(pid, log)
+        resumed = time.monotonic()
         result = ctx.wait(60)
+        resumed_to_exit = time.monotonic() - resumed
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)  # never leave it stopped, whatever failed
         ctx.close()
-    assert stopped_inside, "never stopped the rank inside a line"
+    assert stopped_for is not None, "never stopped the rank inside a line"
     assert result is not None and not result.is_failed()
-    assert log.read_bytes() == (b"L" * 199_999 + b"\n") * lines
+    assert log.read_bytes() == LONG_LINE_BYTES * lines
     out, _ = capfdbinary.readouterr()
     shown = [line for line in out.split(b"\n") if line.startswith(b"[w0]:")]
-    assert [len(line) for line in shown if line != b"[w0]:" + b"L" * 199_999] == []
+    torn = [len(line) for line in shown if line != b"[w0]:" + b"L" * 199_999]
+    assert torn == [], f"stopped for {stopped_for:.3f} s; then {resumed_to_exit:.3f} s to the exit"
     assert len(shown) == lines
 
 
