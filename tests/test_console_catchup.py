@@ -133,23 +133,29 @@ def _ts(text: str, what: str) -> float:
     return datetime.strptime(m[1], "%Y-%m-%dT%H:%M:%S.%f").timestamp()
 
 
+def _one_rank_to(sink: SlowConsole, code: str, log_dir: Path, name: str, release_after: float, **kwargs):
+    """One rank of Python `code`, its stdout teed to `sink` as sys.stdout
+    (bound 16 KiB), the sink let go `release_after` s on; its result."""
+    release = threading.Timer(release_after, sink.open.set)
+    with contextlib.redirect_stdout(sink):
+        ctx = launch(sys.executable, {0: ("-c", code)}, log_dir=log_dir, tee=Std.OUT, name=name,
+                     console_backlog=16 * 1024, **kwargs)
+        release.start()
+        try:
+            return ctx.wait(60)
+        finally:
+            release.cancel()
+            sink.open.set()
+            ctx.close()
+
+
 def test_held_back_lines_come_out_as_the_live_path_shows_them(tmp_path):
     # The console is stuck (its write() waits) from the first line on, and
     # let go 2.5 s later, after the worker exited: everything but what fit
     # in the 16 KiB bound was held back and comes from the log.
     sink = SlowConsole(rate=1e9)
     sink.open.clear()
-    release = threading.Timer(2.5, sink.open.set)
-    with contextlib.redirect_stdout(sink):
-        ctx = launch(sys.executable, {0: ("-c", HELD_WORKER)}, log_dir=tmp_path / "logs", tee=Std.OUT,
-                     name="h", console_backlog=16 * 1024, log_line_timestamps=True)
-        release.start()
-        try:
-            result = ctx.wait(60)
-        finally:
-            release.cancel()
-            sink.open.set()
-            ctx.close()
+    result = _one_rank_to(sink, HELD_WORKER, tmp_path / "logs", "h", 2.5, log_line_timestamps=True)
     assert result is not None and not result.is_failed()
     text = sink.text()
     assert "not shown" not in text
@@ -208,17 +214,7 @@ def test_a_line_whose_writer_stopped_after_filling_the_pipe_comes_out_whole(tmp_
     sink = SlowConsole(rate=1e9)
     if held:
         sink.open.clear()  # let go 1.5 s on, after the worker's 0.3 s
-    release = threading.Timer(1.5, sink.open.set)
-    with contextlib.redirect_stdout(sink):
-        ctx = launch(sys.executable, {0: ("-c", FULL_PIPE_PAUSE)}, log_dir=tmp_path / "logs", tee=Std.OUT,
-                     name="s", console_backlog=16 * 1024)
-        release.start()
-        try:
-            result = ctx.wait(60)
-        finally:
-            release.cancel()
-            sink.open.set()
-            ctx.close()
+    result = _one_rank_to(sink, FULL_PIPE_PAUSE, tmp_path / "logs", "s", 1.5)
     assert result is not None and not result.is_failed()
     log = Path(result.stdouts[0]).read_bytes()
     numbered = b"".join(b"%099d\n" % i for i in range(1000))
