@@ -8,6 +8,9 @@ workers, or stops for a while, gets every line once it takes lines again.
 * Lines held back while the console was stuck come out as the live path
   would have shown them: their timestamps are when they arrived, a partial
   line that sat alone for more than 0.1 s is a line of its own.
+* A line whose writer stopped right after filling the pipe (as one stopped
+  or starved inside a long write() does) comes out whole, live and held
+  back: not cut where the writer stopped.
 * A log that is gone while lines are held back: the lines it held are left
   out whole, with a marker, and the console goes on.
 * Memory stays within the bound while a console takes nothing at all.
