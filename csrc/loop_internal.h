@@ -177,7 +177,7 @@ typedef struct stream {
     int pipe_grown;            /* bytes of pipe capacity taken from the budget; -1: gave up */
     size_t pipe_size;          /* the pipe's capacity, once a read was a page or more (0: not asked) */
     uint64_t pipe_read;        /* bytes read from the pipe so far */
-    uint64_t pipe_full_end;    /* pipe_read after a read that emptied a full pipe (0: not the last read) */
+    int pipe_last_read_full;   /* the last read emptied a full pipe */
     /* A due partial line that may end inside a write under way waits
      * (loop_streams.c's stream_hold): where in the stream, and until when. */
     uint64_t held_at;

@@ -142,13 +142,12 @@ static void tail_append_locked(stream *s, const char *data, size_t len)
  * it: the kernel copies a write under the pipe's lock and lets go of the
  * lock only to wait for room.  A writer stopped there (SIGSTOP, a debugger)
  * or starved of CPU on a loaded machine has the first part of its line read
- * and the rest still to write.  So a read that emptied a full pipe -- its
- * size within an eighth of the capacity: the last page of each write may be
- * part full -- may end inside a write. */
+ * and the rest still to write.  So a read that emptied a full pipe may end
+ * inside a write. */
 static int pipe_mid_write(const stream *s, uint64_t *at)
 {
     *at = s->pipe_read;
-    return s->pipe_full_end != 0 && s->pipe_full_end == s->pipe_read;
+    return s->pipe_last_read_full;
 }
 
 /* Whether the bytes of s read so far may end inside a write under way;
@@ -158,9 +157,12 @@ static int stream_mid_write(const stream *s, uint64_t *at)
     return s->following ? torchmp_loop_follow_mid_write(s, at) : pipe_mid_write(s, at);
 }
 
-/* Whether a read of n bytes emptied a full pipe.  Only reads of a page or
- * more can: the capacity is asked for then (a user over its pipe pages gets
- * two-page pipes), and kept (stream_maybe_grow keeps it up to date). */
+/* Whether a read of n bytes emptied a full pipe: within an eighth of its
+ * capacity, at least a page (a page of each write may be part full,
+ * and small writes each take a page).  Only reads of a page or more can be:
+ * the capacity is asked for then (a user over its pipe pages gets two-page
+ * pipes; a worker may set it) and kept (stream_maybe_grow keeps it up to
+ * date). */
 static int pipe_read_was_full(stream *s, size_t n)
 {
     size_t margin;
@@ -375,7 +377,7 @@ void torchmp_loop_stream_pump(torchmp_loop *L, stream *s, long limit)
         n = read(s->fd, L->readbuf, want);
         if (n > 0) {
             s->pipe_read += (uint64_t)n;
-            s->pipe_full_end = pipe_read_was_full(s, (size_t)n) ? s->pipe_read : 0;
+            s->pipe_last_read_full = pipe_read_was_full(s, (size_t)n);
             stream_maybe_grow(L, s, (size_t)n);
             torchmp_loop_stream_consume(L, s, L->readbuf, (size_t)n);
             if (limit >= 0)
