@@ -175,7 +175,10 @@ typedef struct stream {
     size_t ret_len, ret_cap;
     int ret_errno;
     int pipe_grown;            /* bytes of pipe capacity taken from the budget; -1: gave up */
-    size_t pipe_size;          /* the pipe's capacity, once a read was a page or more (0: not asked) */
+    /* The pipe's capacity, once a read was a page or more (0: not asked);
+     * pipe_size_next: what it was grown to, from the read after next on
+     * (the next read may hold bytes written before it grew). */
+    size_t pipe_size, pipe_size_next;
     uint64_t pipe_read;        /* bytes read from the pipe so far */
     int pipe_last_read_full;   /* the last read emptied a full pipe */
     /* A due partial line that may end inside a write under way waits

@@ -165,19 +165,26 @@ static int stream_mid_write(const stream *s, uint64_t *at)
  * date). */
 static int pipe_read_was_full(stream *s, size_t n)
 {
-    size_t margin;
+    /* The first read after the pipe grew may hold bytes the writer put in
+     * before, filling it at its old size; later reads are of the new. */
+    size_t size = s->pipe_size, margin;
+    if (s->pipe_size_next != 0) {
+        s->pipe_size = s->pipe_size_next;
+        s->pipe_size_next = 0;
+    }
     if (n < 4096)
         return 0;
-    if (s->pipe_size == 0) {
+    if (size == 0) {
 #ifdef F_GETPIPE_SZ
-        int size = fcntl(s->fd, F_GETPIPE_SZ);
-        s->pipe_size = size > 0 ? (size_t)size : DEFAULT_PIPE_SIZE;
+        int asked = fcntl(s->fd, F_GETPIPE_SZ);
+        size = asked > 0 ? (size_t)asked : DEFAULT_PIPE_SIZE;
 #else
-        s->pipe_size = DEFAULT_PIPE_SIZE;
+        size = DEFAULT_PIPE_SIZE;
 #endif
+        s->pipe_size = size;
     }
-    margin = s->pipe_size / 8 > 4096 ? s->pipe_size / 8 : 4096;
-    return n + margin >= s->pipe_size;
+    margin = size / 8 > 4096 ? size / 8 : 4096;
+    return n + margin >= size;
 }
 
 void torchmp_loop_stream_consume(torchmp_loop *L, stream *s, const char *data, size_t len)
@@ -320,7 +327,7 @@ static void stream_maybe_grow(torchmp_loop *L, stream *s, size_t just_read)
         return;
     got = fcntl(s->fd, F_SETPIPE_SZ, BUSY_PIPE_SIZE);
     if (got > DEFAULT_PIPE_SIZE) {
-        s->pipe_size = (size_t)got;
+        s->pipe_size_next = (size_t)got;
         s->pipe_grown = got - DEFAULT_PIPE_SIZE;
         L->pipe_budget -= s->pipe_grown;
     } else {

@@ -277,6 +277,31 @@ def test_a_line_whose_writer_stops_half_way_through_a_full_pipe_is_shown_whole(t
     assert len(shown) == lines
 
 
+# One write() of twice the default pipe: the launcher reads the first
+# 64 KiB and grows the pipe, and the writer has put the second 64 KiB in
+# before the pipe grew, filling it at its old size.  Then the writer pauses
+# 0.3 s (as one stopped there would), and writes the rest of its line.
+AROUND_THE_GROWTH = """
+import fcntl, os, time
+assert fcntl.fcntl(1, fcntl.F_GETPIPE_SZ) == 65536
+os.write(1, b"L" * 131072)
+time.sleep(0.3)
+os.write(1, b"L" * 1000 + b"\\n")
+"""
+
+
+def test_a_line_paused_at_a_pipe_filled_before_it_grew_is_shown_whole(tmp_path, capfdbinary):
+    # The second read is full for the size the pipe had when it was
+    # written, not for the size it has when read.
+    ctx = launch(sys.executable, {0: ("-c", AROUND_THE_GROWTH)}, log_dir=tmp_path, tee=Std.OUT, name="g")
+    result = ctx.wait(60)
+    ctx.close()
+    assert result is not None and not result.is_failed()
+    assert Path(result.stdouts[0]).read_bytes() == b"L" * 132072 + b"\n"
+    out, _ = capfdbinary.readouterr()
+    assert [len(line) for line in out.split(b"\n") if line.startswith(b"[g0]:")] == [5 + 132072]
+
+
 def test_a_partial_line_after_a_burst_that_filled_the_pipe_is_still_shown_while_the_rank_waits(tmp_path, capfdbinary):
     # What the hold above costs an idle rank: a prompt that ends one write()
     # of 64 KiB, which filled the pipe, is shown after 1 s rather than
