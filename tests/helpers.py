@@ -104,19 +104,19 @@ def shown_while_waiting(capfdbinary, wanted: bytes, go: Path) -> bytes:
     return seen
 
 
-# A rank writing 200 KB lines, each in one write(), as fast as it can: the
-# pipe is full most of the time, so a stop usually lands inside a write,
-# with the first part of a line already read (a write longer than the free
-# pipe space is copied up to a full pipe, and the writer waits for room).
+# A rank writing 2 MB lines, each in one write(), as fast as it can.  A line
+# is longer than the launcher's largest pipe (1 MiB), so each write is copied
+# up to a full pipe and waits for room, and a stop lands inside it, with the
+# first part of the line already read.
 LONG_LINES = """
 import os, sys
-line = b"L" * 199_999 + b"\\n"
+line = b"L" * 1_999_999 + b"\\n"
 for _ in range(int(sys.argv[1])):
     view = memoryview(line)
     while view:
         view = view[os.write(1, view):]
 """
-LONG_LINE_BYTES = b"L" * 199_999 + b"\n"
+LONG_LINE_BYTES = b"L" * 1_999_999 + b"\n"
 
 
 def _stable_size(path: Path) -> int:
@@ -137,7 +137,10 @@ def stop_inside_a_long_line(pid: int, log: Path) -> float | None:
     tries.  The caller sends SIGCONT again in its cleanup, whatever failed."""
     for _ in range(50):
         stopped = time.monotonic()
-        os.kill(pid, signal.SIGSTOP)
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            return None  # it wrote every line and exited
         if _stable_size(log) % len(LONG_LINE_BYTES):
             # Stopped for 0.2 s or more in all (the stable size took 0.1 s):
             # twice the idle time, and well short of the launcher's 1 s hold
