@@ -195,7 +195,7 @@ cdef extern from "torchmp.h" nogil:
     size_t torchmp_group_tail(torchmp_group *g, int rank, int which, char *buf, size_t cap)
     int torchmp_group_wait(torchmp_group *g, int64_t timeout_ns, uint64_t known_version, int *watch_exits,
                            int signal_fd, int flags) nogil
-    int torchmp_group_decided(torchmp_group *g, int fail_fast, uint64_t *version)
+    int torchmp_group_decided(torchmp_group *g, int fail_fast, uint64_t *version, int *left)
     enum:
         TORCHMP_WAIT_DECIDED
         TORCHMP_WAIT_FAIL_FAST

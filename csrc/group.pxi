@@ -510,7 +510,9 @@ cdef class Group:
         until_decided: a change counts only once every rank has exited, or
         (fail_fast) one has exited with a status other than 0 -- what a
         context's wait() decides on -- so the caller is not woken to look at
-        each exit before the deciding one."""
+        each exit before the deciding one; and, for a wait begun with more,
+        once one rank is left (decided() says which it was), for the caller
+        to take in the exits so far while that rank runs."""
         cdef int rc, err
         cdef int watch_exits = 1
         cdef int signal_fd = -1
@@ -556,10 +558,12 @@ cdef class Group:
 
     cdef bint _moved_undecided(self, uint64_t *known_version, bint fail_fast):
         """After a change: whether it only recorded exits that decide
-        nothing (then *known_version is the new counter, to wait on).  A wake
-        with the counter unmoved (an interrupt) is for the caller."""
+        nothing and leave more than one rank running (then *known_version is
+        the new counter, to wait on).  A wake with the counter unmoved (an
+        interrupt), or with one rank left, is for the caller."""
         cdef uint64_t version = 0
-        if torchmp_group_decided(self.g, fail_fast, &version) or version == known_version[0]:
+        cdef int left = 0
+        if torchmp_group_decided(self.g, fail_fast, &version, &left) or version == known_version[0] or left <= 1:
             return False
         known_version[0] = version
         return True
@@ -570,9 +574,10 @@ cdef class Group:
         than 0 -- the rule wait(until_decided=True) sleeps on, so that a
         woken wait() need not take a snapshot to apply it again."""
         cdef uint64_t version = 0
+        cdef int left = 0
         if self.g == NULL:
             raise ValueError("worker group is closed")
-        return bool(torchmp_group_decided(self.g, fail_fast, &version))
+        return bool(torchmp_group_decided(self.g, fail_fast, &version, &left))
 
     def watch(self, Notifier notifier not None, uint64_t token, bint until_decided=False, bint fail_fast=True):
         """Post NOTE_CHANGED with token to notifier whenever the change

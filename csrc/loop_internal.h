@@ -265,6 +265,8 @@ typedef struct group_waiter {
     int fail_fast;             /* TORCHMP_WAIT_FAIL_FAST */
     int can_watch_exits;       /* could poll the exits set itself (a pidfd per rank) */
     int watches_exits;         /* does */
+    int wakes_at_one_left;     /* until_decided, begun with more than one rank left:
+                                * also woken when one is left */
     struct group_waiter *next;
 } group_waiter;
 

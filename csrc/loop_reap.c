@@ -36,24 +36,27 @@ static int group_decided_locked(const torchmp_group *g, int fail_fast)
     return g->interrupted || group_result_decided_locked(g, fail_fast);
 }
 
-int torchmp_group_decided(torchmp_group *g, int fail_fast, uint64_t *version)
+int torchmp_group_decided(torchmp_group *g, int fail_fast, uint64_t *version, int *left)
 {
     torchmp_loop *L = g->loop;
     int decided;
     pthread_mutex_lock(&L->mu);
     decided = group_result_decided_locked(g, fail_fast);
     *version = g->version;
+    *left = g->nprocs - g->exited;
     pthread_mutex_unlock(&L->mu);
     return decided;
 }
 
-/* A waiter also wakes when one rank is left, to watch that rank's exit
- * itself: woken by the exit, it records it without a hop through the I/O
- * thread.  Caller holds mu. */
+/* A waiter sleeping through the exits that decide nothing also wakes once
+ * when one rank is left: its caller takes in the exits so far while that
+ * rank runs, and waits again, watching the rank's exit itself where it can
+ * (woken by the exit, it records it without a hop through the I/O thread).
+ * Caller holds mu. */
 static int waiter_woken_locked(const torchmp_group *g, const group_waiter *w)
 {
     return !w->until_decided || group_decided_locked(g, w->fail_fast) ||
-           (w->can_watch_exits && !w->watches_exits && g->nprocs - g->exited == 1);
+           (w->wakes_at_one_left && g->nprocs - g->exited == 1);
 }
 
 /* Wake the callers sleeping in torchmp_group_wait, and post to the event
@@ -541,6 +544,7 @@ int torchmp_group_wait(torchmp_group *g, int64_t timeout_ns, uint64_t known_vers
     me.fail_fast = (flags & TORCHMP_WAIT_FAIL_FAST) != 0;
     me.can_watch_exits = *watch_exits && L->exits != NULL;
     me.watches_exits = 0;
+    me.wakes_at_one_left = 0;
     pthread_mutex_lock(&L->mu);
     changed = group_changed_locked(g, known_version);
     if (!changed) {
@@ -548,6 +552,7 @@ int torchmp_group_wait(torchmp_group *g, int64_t timeout_ns, uint64_t known_vers
          * thread, which records it too); until the result is decided, only
          * the last rank's exit is worth it. */
         me.watches_exits = me.can_watch_exits && (!me.until_decided || g->nprocs - g->exited <= 1);
+        me.wakes_at_one_left = me.until_decided && g->nprocs - g->exited > 1;
         me.next = g->waiters;
         g->waiters = &me;
     }

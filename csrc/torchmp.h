@@ -558,9 +558,10 @@ size_t torchmp_group_tail(torchmp_group *g, int rank, int which, char *buf, size
 enum {
     /* Sleep through the exits that decide nothing: woken once every rank has
      * exited, or (with TORCHMP_WAIT_FAIL_FAST) one exited with a status
-     * other than 0 -- what a context's wait() decides on -- or when one rank
-     * is left (to watch its exit directly).  Other changes still end the
-     * wait if they happened before it began. */
+     * other than 0 -- what a context's wait() decides on -- or, for a wait
+     * begun with more, when one rank is left (its caller takes in the exits
+     * so far, then waits again, watching that rank's exit directly).  Other
+     * changes still end the wait if they happened before it began. */
     TORCHMP_WAIT_DECIDED = 1,
     TORCHMP_WAIT_FAIL_FAST = 2
 };
@@ -578,9 +579,9 @@ enum {
 int torchmp_group_wait(torchmp_group *g, int64_t timeout_ns, uint64_t known_version, int *watch_exits,
                        int signal_fd, int flags);
 /* Whether the exits recorded so far decide a context's result (the rule of
- * TORCHMP_WAIT_DECIDED, without the interrupt), and *version: the change
- * counter they were read at. */
-int torchmp_group_decided(torchmp_group *g, int fail_fast, uint64_t *version);
+ * TORCHMP_WAIT_DECIDED, without the interrupt); *version: the change counter
+ * they were read at; *left: the ranks whose exit is not recorded yet. */
+int torchmp_group_decided(torchmp_group *g, int fail_fast, uint64_t *version, int *left);
 /* Whether child pid has exited, without reaping it: 1 with its wait(2)-style
  * status and rusage filled in (on Linux; zeros elsewhere), 0 if it runs,
  * -1 with errno (ECHILD: not a child, or reaped by somebody else). */

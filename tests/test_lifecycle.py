@@ -292,18 +292,24 @@ def test_wait_wakes_its_caller_for_the_deciding_exit_only(tmp_path, kill_on_bad_
     # at the ranks once before it sleeps (_poll); when the result is decided
     # (the failure under fail-fast, else the last exit), the core says so
     # and wait() goes straight to the result (_finish) -- never a look for
-    # the exits that decide nothing (each such look is Python on the
-    # exit-lag path).  (0.4 s: on a loaded machine the ranks' starts spread
-    # over 0.2 s, which reordered exits 0.15 s apart.)
+    # an exit that decides nothing and leaves more than one rank running.
+    # Once one rank is left (without fail-fast: after the third exit), it
+    # looks once more, while that rank runs, and takes in the exits so far:
+    # that look keeps the path after the deciding exit warm (docs/profiles.md).
+    # (0.4 s: on a loaded machine the ranks' starts spread over 0.2 s, which
+    # reordered exits 0.15 s apart.)
     launched = time.monotonic()  # before any rank's clock starts
     ctx = launch("sh", {0: ("-c", "sleep 1.2"), 1: ("-c", "sleep 0.8; exit 3"), 2: ("-c", "sleep 0.4"),
                         3: ("-c", "sleep 1.6")}, log_dir=tmp_path, kill_on_bad_exit=kill_on_bad_exit)
     looks = []
+    running_at_looks = []
     finishes = []
     poll, finish = ctx._poll, ctx._finish
 
     def counted_poll():
         looks.append(time.monotonic())
+        running_at_looks.append([r for r, info in enumerate(ctx._snapshot()[1])
+                                 if info.state == torchmp._core.PROC_RUNNING])
         return poll()
 
     def counted_finish():
@@ -318,7 +324,9 @@ def test_wait_wakes_its_caller_for_the_deciding_exit_only(tmp_path, kill_on_bad_
     finally:
         ctx.close(signal.SIGKILL, 0)
     assert result is not None and list(result.failures) == ([1, 0, 3] if kill_on_bad_exit else [1])
-    assert len(looks) == 1 and len(finishes) == 1, [round(t - t0, 3) for t in looks + finishes]
+    when = [round(t - t0, 3) for t in looks + finishes]
+    assert len(finishes) == 1, when
+    assert running_at_looks == ([[0, 1, 2, 3]] if kill_on_bad_exit else [[0, 1, 2, 3], [3]]), when
     if kill_on_bad_exit:  # (the ranks' clocks started before t0, during the launch)
         assert t0 + elapsed - launched >= 0.8 and elapsed < 1.15 and result.failures[0].terminated_by_launcher
     else:
@@ -362,6 +370,28 @@ def test_the_waiting_thread_sleeps_through_the_exits_that_decide_nothing(tmp_pat
         if seen["sleeps"] <= 4:
             return
     pytest.fail(f"the waiting thread slept {counts} times in three runs (at most 4 expected)")
+
+
+def test_a_wait_for_the_deciding_exit_is_woken_once_when_one_rank_is_left(tmp_path):
+    # The core's side of the look above, on either backend: a wait begun
+    # with more than one rank running returns when one is left, undecided;
+    # a wait begun with one left sleeps until that rank's exit decides.
+    ctx = launch("sleep", {0: ("1",), 1: ("1",), 2: ("30",)}, log_dir=tmp_path)
+    try:
+        group = ctx._group
+        version, ranks = group.snapshot()
+        assert [info.state for info in ranks] == [torchmp._core.PROC_RUNNING] * 3  # (1 s to get here)
+        assert group.wait(20, version, True, True) is True
+        assert not group.decided(True)
+        version, ranks = group.snapshot()
+        assert [info.state for info in ranks] == [torchmp._core.PROC_EXITED] * 2 + [torchmp._core.PROC_RUNNING]
+        t0 = time.monotonic()
+        assert group.wait(0.5, version, True, True) is False
+        assert time.monotonic() - t0 >= 0.5
+        os.kill(ranks[2].pid, signal.SIGKILL)  # the deciding exit
+        assert group.wait(20, version, True, True) is True and group.decided(True)
+    finally:
+        ctx.close(signal.SIGKILL, 0)
 
 
 def test_context_manager_closes(tmp_path):

@@ -112,6 +112,9 @@ class _NativeContext(PContext):
         # Failed ranks' stderr tails, taken from the native group before it
         # is released: (bytes, whether the bound cut older bytes).
         self._tails: dict[int, tuple[bytes, bool]] = {}
+        # Exited ranks' ResourceUsage, by rank, with the snapshot it was made
+        # from (_usage).
+        self._usages: dict[int, tuple[_core.ProcInfo, ResourceUsage]] = {}
         # The OOM killer's count at start, to name its kills (None: unknown).
         self._oom_watch: _oom.OomWatch | None = None
         # Whether close() found a SIGKILL torchmp did not send, to explain.
@@ -332,14 +335,7 @@ class _NativeContext(PContext):
             if info.state != _core.PROC_EXITED:
                 continue
             code = exitcode(info.wait_status)
-            resources[rank] = ResourceUsage(
-                pid=pid,
-                exitcode=code,
-                wall_time=(info.exit_mono_ns - info.start_mono_ns) / 1e9,
-                user_time=info.utime_ns / 1e9,
-                system_time=info.stime_ns / 1e9,
-                max_rss=info.maxrss_kb * 1024,
-            )
+            resources[rank] = self._usage(rank, info)
             for what, e in (("stdout", info.out_log_errno), ("stderr", info.err_log_errno)):
                 if e:
                     logger.error(
@@ -391,6 +387,30 @@ class _NativeContext(PContext):
             result.return_values = self._return_values()
         return result
 
+    def _usage(self, rank: int, info: _core.ProcInfo) -> ResourceUsage:
+        """An exited rank's ResourceUsage, made once for what the snapshot
+        says of it (a later snapshot that says anything else makes it anew)."""
+        known = self._usages.get(rank)
+        if known is not None and known[0] == info:
+            return known[1]
+        usage = ResourceUsage(
+            pid=info.pid,
+            exitcode=exitcode(info.wait_status),
+            wall_time=(info.exit_mono_ns - info.start_mono_ns) / 1e9,
+            user_time=info.utime_ns / 1e9,
+            system_time=info.stime_ns / 1e9,
+            max_rss=info.maxrss_kb * 1024,
+        )
+        self._usages[rank] = (info, usage)
+        return usage
+
+    def _take_in(self, ranks: list[_core.ProcInfo]) -> None:
+        """What the result will say of the ranks exited so far, made while
+        others still run."""
+        for rank, info in enumerate(ranks):
+            if info.state == _core.PROC_EXITED:
+                self._usage(rank, info)
+
     def wait(self, timeout: float = -1, period: float = 1) -> RunProcsResult | None:
         """Like torch's ``wait`` but event-driven: it returns as soon as the
         deciding exit is recorded (``period`` is accepted and ignored).  Safe
@@ -420,9 +440,14 @@ class _NativeContext(PContext):
                 # Woken for the exit that decides (the last one, or a failure
                 # under fail-fast), not for each one before it; the core's
                 # word on it saves _poll's snapshot on the way to the result.
-                if (group.wait(remaining, version, True, self.kill_on_bad_exit)
-                        and group.decided(self.kill_on_bad_exit)):
-                    return self._result if self._result is not None else self._finish()
+                if group.wait(remaining, version, True, self.kill_on_bad_exit):
+                    if group.decided(self.kill_on_bad_exit):
+                        return self._result if self._result is not None else self._finish()
+                    # Once, when one rank is left: take in the others' exits
+                    # while it runs.  The stdlib's launcher reaps each rank as
+                    # it exits, so its path after the last exit is warm; ours
+                    # slept through them and ran cold (docs/profiles.md).
+                    self._take_in(self._snapshot()[1])
             except ValueError:
                 pass  # closed by another thread or a handler: _poll has the result
 
