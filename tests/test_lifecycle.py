@@ -333,6 +333,13 @@ def test_wait_wakes_its_caller_for_the_deciding_exit_only(tmp_path, kill_on_bad_
         # After the last exit: 1.6 s after rank 3 started, which was during
         # the launch, before t0 (the bound from t0 failed by 0.6 ms in CI).
         assert t0 + elapsed - launched >= 1.6 and sorted(result.resources) == [0, 1, 2, 3]
+        # Ranks 0-2 were taken in at the second look, rank 3 at the end: the
+        # result says of each what the final snapshot does.
+        for rank, info in enumerate(ctx._final[1]):
+            usage = result.resources[rank]
+            assert (usage.pid, usage.exitcode, usage.max_rss) == (info.pid, 3 if rank == 1 else 0,
+                                                                  info.maxrss_kb * 1024)
+            assert usage.wall_time == (info.exit_mono_ns - info.start_mono_ns) / 1e9 > 0.3
 
 
 def _wait_counting_sleeps(ctx, seen: dict) -> None:
