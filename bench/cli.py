@@ -110,6 +110,12 @@ def main(argv=None) -> int:
     if a.subject:
         print(subj.describe())
         return 0
+    missing = scenarios.missing_modules(order)
+    for s, modules in missing.items():
+        log(f"bench: refusing to run: the {s} scenario needs {', '.join(modules)}, which does not import here "
+            f"(pip install '.[bench]', or leave {s} out with --only)")
+    if missing:
+        return 2
     set_child_subreaper()
     signal.signal(signal.SIGTERM, _terminate)  # clean up like ^C does
 

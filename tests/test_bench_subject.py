@@ -1,4 +1,6 @@
-"""The bench measures the torchmp under test, or refuses to run (issue 22).
+"""The bench measures the torchmp under test, or refuses to run (issue 22); it
+also refuses to start when a scenario it would run needs a module that does
+not import (psutil, of the bench extra).
 
 ``python -m bench`` from a checkout whose torchmp/ has no compiled core (the
 state after ``pip install .``) used to mark torchmp UNAVAILABLE and go on
@@ -102,3 +104,30 @@ def test_bench_says_where_its_log_directories_live_and_what_a_mkdir_costs(tmp_pa
         finally:
             if str(root).startswith("/dev/shm/"):
                 shutil.rmtree(root, ignore_errors=True)
+
+
+def test_bench_refuses_to_start_a_scenario_whose_module_does_not_import(tmp_path: Path) -> None:
+    # A full run used to stop with an ImportError at the idle scenario, some
+    # twenty minutes in, and write nothing.  Here psutil does not import:
+    # the bench must say so before it measures anything.
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "psutil.py").write_text("raise ImportError('psutil hidden by the test')\n")
+    out_json = tmp_path / "bench.json"
+    r = _bench(["--only", "idle", "--impl", "torchmp,floor", "--json", str(out_json),
+                "--chart", str(tmp_path / "bench.png")], cwd=REPO,
+               pythonpath=os.pathsep.join([str(hide), str(SUBJECT_DIR.parent)]))
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert "refusing to run: the idle scenario needs psutil, which does not import here" in r.stderr, r.stderr
+    assert "pip install '.[bench]'" in r.stderr, r.stderr
+    assert "[idle]" not in r.stderr and "Traceback" not in r.stderr and r.stdout == "", (r.stdout, r.stderr)
+    assert not out_json.exists() and not (tmp_path / "bench.png").exists()
+
+
+def test_bench_names_only_the_modules_of_the_scenarios_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(REPO))
+    from bench import scenarios
+
+    monkeypatch.setitem(sys.modules, "psutil", None)  # import psutil now raises ImportError
+    assert scenarios.missing_modules(scenarios.ORDER) == {"idle": ["psutil"]}
+    assert scenarios.missing_modules([s for s in scenarios.ORDER if s != "idle"]) == {}

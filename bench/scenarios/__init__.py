@@ -37,6 +37,26 @@ TITLES = {
 }
 
 
+# Modules a scenario imports beyond the standard library (the `bench` extra):
+# checked before anything is measured, so a full run does not stop with an
+# ImportError twenty minutes in, its results lost.
+NEEDS = {
+    "idle": ("psutil",),
+}
+
+
+def missing_modules(order) -> dict[str, list[str]]:
+    """{scenario: [modules that do not import here]} for the scenarios in order."""
+    missing: dict[str, list[str]] = {}
+    for name in order:
+        for module in NEEDS.get(name, ()):
+            try:
+                importlib.import_module(module)
+            except ImportError:
+                missing.setdefault(name, []).append(module)
+    return missing
+
+
 def get(name):
     mod = importlib.import_module(f"bench.scenarios.{MODULES[name]}")
     return getattr(mod, "run_" + name)
