@@ -108,15 +108,18 @@ def test_bench_says_where_its_log_directories_live_and_what_a_mkdir_costs(tmp_pa
 
 def test_bench_refuses_to_start_a_scenario_whose_module_does_not_import(tmp_path: Path) -> None:
     # A full run used to stop with an ImportError at the idle scenario, some
-    # twenty minutes in, and write nothing.  Here psutil does not import:
-    # the bench must say so before it measures anything.
-    hide = tmp_path / "hide"
-    hide.mkdir()
-    (hide / "psutil.py").write_text("raise ImportError('psutil hidden by the test')\n")
+    # twenty minutes in, and write nothing.  Here psutil does not import (a
+    # None in sys.modules, whatever sys.path holds: the bench puts the
+    # subject's home, maybe site-packages, first): the bench must say so
+    # before it measures anything.
     out_json = tmp_path / "bench.json"
-    r = _bench(["--only", "idle", "--impl", "torchmp,floor", "--json", str(out_json),
-                "--chart", str(tmp_path / "bench.png")], cwd=REPO,
-               pythonpath=os.pathsep.join([str(hide), str(SUBJECT_DIR.parent)]))
+    args = ["--only", "idle", "--impl", "torchmp,floor", "--json", str(out_json),
+            "--chart", str(tmp_path / "bench.png")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BENCH_")}
+    env["PYTHONPATH"] = str(SUBJECT_DIR.parent)
+    r = subprocess.run([sys.executable, "-c", "import runpy, sys; sys.modules['psutil'] = None; "
+                        "runpy.run_module('bench', run_name='__main__', alter_sys=True)", *args],
+                       cwd=REPO, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     assert "refusing to run: the idle scenario needs psutil, which does not import here" in r.stderr, r.stderr
     assert "pip install '.[bench]'" in r.stderr, r.stderr
