@@ -12,6 +12,7 @@ import signal
 import sys
 import tempfile
 import time
+import traceback
 
 from bench import report, scenarios, subject
 from bench.common import REPO_ROOT, Ctx, set_child_subreaper
@@ -138,11 +139,21 @@ def main(argv=None) -> int:
     log(f"bench: log directories under {tmp} ({log_dirs['fstype']}): mkdir {log_dirs['mkdir_us_median']} us")
     ctx = Ctx(impls, unavailable, a.quick, a.repeat, tmp, log)
     results = {}
+    failed: dict[str, str] = {}
     try:
         for s in order:
             log(f"[{s}] ({time.monotonic() - started:.0f}s elapsed)")
             t = time.monotonic()
-            res = scenarios.get(s)(ctx)
+            try:
+                res = scenarios.get(s)(ctx)
+            except Exception as e:
+                if type(e).__name__ == "SignalException":
+                    raise  # an interrupt (below), not a failure of this scenario
+                # One scenario's failure does not cost the others theirs: it is
+                # reported with its traceback, and the exit status says so.
+                failed[s] = traceback.format_exc()
+                log(f"bench: the {s} scenario failed; going on with the others:\n{failed[s]}")
+                continue
             res.elapsed_s = time.monotonic() - t
             results[s] = res
     except BaseException as e:
@@ -185,9 +196,14 @@ def main(argv=None) -> int:
         "scenarios": report.to_json(results, names),
         "targets": report.evaluate_targets(results, names),
     }
+    if failed:
+        doc["failed_scenarios"] = failed
     report.write_json(a.json, doc)
     render(doc, results, a.chart)
     print(f"results: {a.json}")
+    if failed:
+        log(f"bench: {len(failed)} scenario(s) failed ({', '.join(failed)}); the others are saved")
+        return 1
     return 0
 
 
@@ -232,6 +248,8 @@ def render(doc, results, chart_path) -> None:
                       f"{_load(run['machine'].get('loadavg_at_end'))} at end (python -m bench {' '.join(run['argv'])})")
     for n, why in unavailable.items():
         header.append(f"unavailable: {n}: {why}")
+    for scen, tb in doc.get("failed_scenarios", {}).items():
+        header.append(f"FAILED: the {scen} scenario: {tb.strip().splitlines()[-1]} (no figures)")
     header.append("values are medians unless marked; 'vs X' rows are ratios to X's value in this run")
     print("\n".join(header))
     print(report.table(results, names, unavailable))

@@ -1,11 +1,13 @@
 """The bench measures the torchmp under test, or refuses to run (issue 22); it
 also refuses to start when a scenario it would run needs a module that does
-not import (psutil, of the bench extra).
+not import (psutil, of the bench extra), and keeps the other scenarios'
+figures when one fails.
 
 ``python -m bench`` from a checkout whose torchmp/ has no compiled core (the
 state after ``pip install .``) used to mark torchmp UNAVAILABLE and go on
-measuring the others.  These tests run the bench's command line only as far
-as choosing its subject: no benchmark runs.  They need the repository's
+measuring the others.  Most of these tests run the bench's command line only
+as far as choosing its subject: no benchmark runs (one runs the quick
+fail-fast scenario of the floor alone).  They need the repository's
 bench/ package (a source tree or an unpacked sdist) and skip without it.
 """
 from __future__ import annotations
@@ -34,8 +36,10 @@ def _coreless_copy(dest: Path) -> Path:
     return pkg
 
 
-def _bench(args: list[str], cwd: Path, pythonpath: str) -> subprocess.CompletedProcess[str]:
+def _bench(args: list[str], cwd: Path, pythonpath: str,
+           bench_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("BENCH_")}
+    env.update(bench_env or {})
     env["PYTHONPATH"] = pythonpath
     return subprocess.run([sys.executable, "-m", "bench", *args], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, timeout=120)
@@ -134,3 +138,22 @@ def test_bench_names_only_the_modules_of_the_scenarios_it_runs(monkeypatch: pyte
     monkeypatch.setitem(sys.modules, "psutil", None)  # import psutil now raises ImportError
     assert scenarios.missing_modules(scenarios.ORDER) == {"idle": ["psutil"]}
     assert scenarios.missing_modules([s for s in scenarios.ORDER if s != "idle"]) == {}
+
+
+def test_bench_keeps_what_it_measured_when_a_scenario_fails(tmp_path: Path) -> None:
+    # A scenario that raises (here launch, whose sizes do not parse) used to
+    # end the run with a traceback and nothing saved; the others' figures
+    # are now kept, and the exit status says that one failed.
+    import json
+
+    out_json = tmp_path / "bench.json"
+    r = _bench(["--quick", "--only", "launch,failfast", "--impl", "floor", "--json", str(out_json),
+                "--chart", str(tmp_path / "bench.png")], cwd=REPO, pythonpath=str(SUBJECT_DIR.parent),
+               bench_env={"BENCH_LAUNCH_SIZES": "not-a-size"})
+    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
+    assert "bench: the launch scenario failed; going on with the others" in r.stderr, r.stderr
+    assert "[failfast]" in r.stderr and "1 scenario(s) failed (launch)" in r.stderr, r.stderr
+    assert "FAILED: the launch scenario: ValueError" in r.stdout, r.stdout
+    doc = json.loads(out_json.read_text())
+    assert "ValueError" in doc["failed_scenarios"]["launch"]
+    assert "launch" not in doc["scenarios"] and doc["scenarios"]["failfast"]
