@@ -36,12 +36,19 @@ def _coreless_copy(dest: Path) -> Path:
     return pkg
 
 
-def _bench(args: list[str], cwd: Path, pythonpath: str,
-           bench_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _bench(args: list[str], cwd: Path, pythonpath: str, bench_env: dict[str, str] | None = None,
+           hidden: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """``python -m bench ARGS``; ``hidden``: modules that do not import there
+    (a None in sys.modules, whatever sys.path holds: the bench puts its
+    subject's home, maybe site-packages, first)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("BENCH_")}
     env.update(bench_env or {})
     env["PYTHONPATH"] = pythonpath
-    return subprocess.run([sys.executable, "-m", "bench", *args], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+    command = ["-m", "bench"]
+    if hidden:
+        command = ["-c", f"import runpy, sys; sys.modules.update(dict.fromkeys({list(hidden)!r})); "
+                         "runpy.run_module('bench', run_name='__main__', alter_sys=True)"]
+    return subprocess.run([sys.executable, *command, *args], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -112,18 +119,12 @@ def test_bench_says_where_its_log_directories_live_and_what_a_mkdir_costs(tmp_pa
 
 def test_bench_refuses_to_start_a_scenario_whose_module_does_not_import(tmp_path: Path) -> None:
     # A full run used to stop with an ImportError at the idle scenario, some
-    # twenty minutes in, and write nothing.  Here psutil does not import (a
-    # None in sys.modules, whatever sys.path holds: the bench puts the
-    # subject's home, maybe site-packages, first): the bench must say so
-    # before it measures anything.
+    # twenty minutes in, and write nothing.  Here psutil does not import:
+    # the bench must say so before it measures anything.
     out_json = tmp_path / "bench.json"
-    args = ["--only", "idle", "--impl", "torchmp,floor", "--json", str(out_json),
-            "--chart", str(tmp_path / "bench.png")]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BENCH_")}
-    env["PYTHONPATH"] = str(SUBJECT_DIR.parent)
-    r = subprocess.run([sys.executable, "-c", "import runpy, sys; sys.modules['psutil'] = None; "
-                        "runpy.run_module('bench', run_name='__main__', alter_sys=True)", *args],
-                       cwd=REPO, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    r = _bench(["--only", "idle", "--impl", "torchmp,floor", "--json", str(out_json),
+                "--chart", str(tmp_path / "bench.png")], cwd=REPO, pythonpath=str(SUBJECT_DIR.parent),
+               hidden=("psutil",))
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     assert "refusing to run: the idle scenario needs psutil, which does not import here" in r.stderr, r.stderr
     assert "pip install '.[bench]'" in r.stderr, r.stderr
