@@ -15,7 +15,7 @@ import time
 import traceback
 
 from bench import report, scenarios, subject
-from bench.common import REPO_ROOT, Ctx, set_child_subreaper
+from bench.common import REPO_ROOT, Ctx, is_interrupt, set_child_subreaper
 from bench.machine import git_info, log_dir_info, machine_info
 from bench.impls import ALL_IMPLS, TORCH_MODULE, resolve, torchmp_module
 
@@ -147,8 +147,8 @@ def main(argv=None) -> int:
             try:
                 res = scenarios.get(s)(ctx)
             except Exception as e:
-                if type(e).__name__ == "SignalException":
-                    raise  # an interrupt (below), not a failure of this scenario
+                if is_interrupt(e):
+                    raise  # handled below: not a failure of this scenario
                 # One scenario's failure does not cost the others theirs: it is
                 # reported with its traceback, and the exit status says so.
                 failed[s] = traceback.format_exc()
@@ -157,10 +157,8 @@ def main(argv=None) -> int:
             res.elapsed_s = time.monotonic() - t
             results[s] = res
     except BaseException as e:
-        # ^C, or SIGTERM: the bench's handler raises KeyboardInterrupt, but once a
-        # torch-like launcher has installed its own, the signal arrives as its
-        # SignalException.  Either way, report what was measured.
-        if not isinstance(e, KeyboardInterrupt) and type(e).__name__ != "SignalException":
+        # ^C, or SIGTERM (is_interrupt): report what was measured.
+        if not is_interrupt(e):
             raise
         log(f"interrupted ({type(e).__name__}): reporting what was measured")
     finally:

@@ -37,6 +37,13 @@ def mono_ns() -> int:
     return time.monotonic_ns()
 
 
+def is_interrupt(e: BaseException) -> bool:
+    """^C or SIGTERM: KeyboardInterrupt (the bench's own handler raises it for
+    SIGTERM too), or torch's SignalException once a torch-like launcher has
+    installed its handlers.  Not a failure of what was running: it ends the run."""
+    return isinstance(e, KeyboardInterrupt) or type(e).__name__ == "SignalException"
+
+
 def fmt_exc(e: BaseException) -> str:
     msg = f"{type(e).__name__}: {e}"
     return msg if len(msg) < 400 else msg[:400] + "..."
@@ -148,7 +155,7 @@ def interleave(
             except (KeyboardInterrupt, SystemExit):
                 raise
             except BaseException as e:  # noqa: BLE001 - a failing impl must not stop the run
-                if type(e).__name__ == "SignalException":  # torch's handler: a real ^C/TERM
+                if is_interrupt(e):
                     raise
                 dead.add(impl)
                 if log:
