@@ -288,6 +288,8 @@ def _forget_keeper_after_fork():
     # A forked child must not hold its parent's keeper pipe open: the keeper
     # would miss the parent's death for as long as the child lives.
     torchmp_keeper_forget()
+    # Nor its kept /proc/self/cgroup, which is the parent's.
+    torchmp_forget_kept_files_after_fork()
 
 
 _os.register_at_fork(after_in_child=_forget_keeper_after_fork)
@@ -296,6 +298,28 @@ _os.register_at_fork(after_in_child=_forget_keeper_after_fork)
 def open_fd_count():
     """How many fds this process has open (OSError where /proc cannot say)."""
     return check(torchmp_open_fd_count(), b"counting /proc/self/fd")
+
+
+def read_kept(int slot, path not None):
+    """The whole of a small kernel file, through a descriptor kept open in
+    ``slot`` (0 or 1) from one call to the next (csrc/cgroupfs.c); None if
+    it has more than 4 KiB (read it the plain way).  OSError as open() and
+    read() raise it, naming ``path``."""
+    cdef bytes p = _os.fsencode(path)
+    cdef char buf[4096]
+    cdef Py_ssize_t n = torchmp_read_kept(slot, p, buf, sizeof(buf))
+    cdef int err
+    if n < 0:
+        err = errno
+        raise OSError(err, strerror(err).decode(), path)
+    if <size_t>n == sizeof(buf):
+        return None
+    return PyBytes_FromStringAndSize(buf, n)
+
+
+def drop_kept_files():
+    """Close the descriptors :func:`read_kept` keeps; how many it closed."""
+    return torchmp_drop_kept_files()
 
 
 def cgroup_root_version(path not None):

@@ -280,3 +280,7 @@ cdef extern from "torchmp.h" nogil:
     pid_t torchmp_self_pid()
     int torchmp_log_create(const char *path, int *wrong_type)
     int torchmp_cgroup_root_version(const char *path)
+    int TORCHMP_KEPT_FILES
+    Py_ssize_t torchmp_read_kept(int slot, const char *path, char *buf, size_t size)
+    int torchmp_drop_kept_files()
+    void torchmp_forget_kept_files_after_fork()

@@ -704,6 +704,16 @@ pid_t torchmp_self_pid(void);
 /* 1 or 2 if path is the root directory of a whole cgroup v1 or v2 hierarchy
  * (not a mounted subtree of one), 0 if it is not or cannot be told. */
 int torchmp_cgroup_root_version(const char *path);
+/* The OOM watch's small files (/proc/self/cgroup, the memory cgroup's
+ * counter), each in its slot, read whole through a descriptor kept open
+ * across calls: at most size bytes from offset 0, -1 with errno.  Call with
+ * the GIL held (one caller at a time). */
+#define TORCHMP_KEPT_FILES 2
+ssize_t torchmp_read_kept(int slot, const char *path, char *buf, size_t size);
+/* Close the kept descriptors (an fd budget that needs them); how many. */
+int torchmp_drop_kept_files(void);
+/* In a child just forked: close the inherited copies. */
+void torchmp_forget_kept_files_after_fork(void);
 
 /* notifier.c, command.c, loop_commands.c: one command outside the worker
  * groups (torchmp.run), and how event loops are woken. */

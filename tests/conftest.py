@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 import torchmp
-from torchmp import _core
+from torchmp import _core, _oom
 
 from helpers import fd_target
 
@@ -90,8 +90,10 @@ except (OSError, AttributeError):  # not glibc
 
 @pytest.fixture(scope="session", autouse=True)
 def _start_io_thread() -> None:
-    # The I/O thread and its control fd live as long as the process.
+    # The I/O thread and its control fd live as long as the process, and so
+    # do the OOM watch's two kept descriptors once a launch opened them.
     _core.backend()
+    _oom.start_watch()
 
 
 @pytest.fixture(autouse=True)

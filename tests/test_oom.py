@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from torchmp import _oom
+from torchmp import _core, _oom
 from torchmp._oom import MemCgroup, Mount, OomWatch
 
 from helpers import Launcher, launcher_env
@@ -525,6 +525,122 @@ def test_a_subtree_mounted_at_the_usual_place_is_resolved_through_the_mount_tabl
     assert out["before"] == 0
 
 
+
+# --- the two files every launch reads, through kept descriptors -------------------
+
+def _kept_fds() -> dict[int, str]:
+    """This process's descriptors of /proc/self/cgroup and of a memory
+    cgroup's counter file, with what each is."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target == f"/proc/{os.getpid()}/cgroup" or target.endswith(("/memory.oom_control", "/memory.events")):
+            found[int(name)] = target
+    return found
+
+
+def _live_watch() -> OomWatch:
+    watch = _oom.start_watch()
+    if watch is None or not watch.cgroup.counter_file.startswith("/sys/fs/cgroup"):
+        pytest.skip("no readable memory cgroup of the kernel's here")
+    return watch
+
+
+def test_a_launch_reads_the_oom_files_through_descriptors_it_keeps() -> None:
+    """Opening /proc/self/cgroup and the counter (a path walk each) was most
+    of the OOM baseline's cost at every launch: both stay open, and a
+    launch opens neither again."""
+    watch = _live_watch()
+    kept = _kept_fds()
+    assert sorted(kept.values()) == sorted([f"/proc/{os.getpid()}/cgroup", watch.cgroup.counter_file])
+    for _ in range(3):
+        again = _oom.start_watch()
+        assert again is not None and again.cgroup == watch.cgroup
+        assert again.before == _oom.parse_oom_control(Path(watch.cgroup.counter_file).read_text()) \
+            if watch.cgroup.version == 1 else True
+    assert _kept_fds() == kept
+
+
+def test_a_kept_descriptor_closed_behind_its_back_is_neither_read_nor_closed(tmp_path: Path) -> None:
+    """A library that closes every fd it does not know (a daemonizer) frees
+    the kept number, and the next file opened may get it: the watch must
+    not take that file for the counter, nor close it."""
+    watch = _live_watch()
+    number = next(fd for fd, target in _kept_fds().items() if target == watch.cgroup.counter_file)
+    impostor = tmp_path / "memory.oom_control"
+    impostor.write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 977\n")
+    os.close(number)
+    fd = os.open(impostor, os.O_RDONLY)
+    if fd != number:
+        os.dup2(fd, number)
+        os.close(fd)
+    try:
+        again = _oom.start_watch()
+        assert again is not None and again.before != 977
+        assert os.readlink(f"/proc/self/fd/{number}") == str(impostor)   # still open, still the impostor
+        assert os.lseek(number, 0, os.SEEK_CUR) == 0
+    finally:
+        os.close(number)
+    # The pair on its numbers again (the lowest free), for the leak guard.
+    _core.drop_kept_files()
+    _oom.start_watch()
+
+
+def test_a_forked_child_reads_its_own_cgroup_not_its_parents() -> None:
+    """The kept /proc/self/cgroup is the parent's in a forked child: the
+    child closes both inherited descriptors at once and opens its own."""
+    _live_watch()
+    parent = os.getpid()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            inherited = [t for t in _kept_fds().values() if t == f"/proc/{parent}/cgroup"]
+            watch = _oom.start_watch()
+            own = sorted(_kept_fds().values())
+            os.write(w, json.dumps({"inherited": inherited, "own": own,
+                                    "counter": watch and watch.cgroup.counter_file}).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        with os.fdopen(r, "rb") as f:
+            out = json.loads(f.read())
+    finally:
+        os.waitpid(pid, 0)
+    assert out["inherited"] == []
+    assert f"/proc/{pid}/cgroup" in out["own"] and f"/proc/{parent}/cgroup" not in out["own"]
+    assert out["counter"] in out["own"]
+
+
+def test_a_launch_short_of_fds_is_given_the_kept_descriptors(tmp_path: Path) -> None:
+    """The kept pair is a cache: under a hard fd limit a launch that needs
+    their two fds gets them, as if they had never been opened."""
+    script = textwrap.dedent("""\
+        import json, resource
+        from torchmp import _oom
+        from torchmp._launch.streams import ensure_fd_budget, fd_limits
+        if _oom.start_watch() is None:
+            raise SystemExit(3)
+        in_use, _, _ = fd_limits()
+        needed = 20
+        limit = in_use + needed - 2           # room only without the kept pair
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+        ensure_fd_budget(needed, 1)
+        print(json.dumps({"in_use": fd_limits()[0], "before": in_use}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          cwd=tmp_path, env=launcher_env())
+    if proc.returncode == 3:
+        pytest.skip("no readable memory cgroup here")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["in_use"] == out["before"] - 2
+
+
 # --- real OOM kills in a cgroup v1 memory cgroup ----------------------------------
 
 V1_ROOT = Path("/sys/fs/cgroup/memory")
@@ -685,6 +801,23 @@ def test_v1_oom_kill_counts_only_the_victims_cgroup(v1_cgroup: Callable[..., Pat
     assert code == -signal.SIGKILL, stderr
     assert _oom.parse_oom_control((child / "memory.oom_control").read_text()) == 1
     assert _oom.parse_oom_control((parent / "memory.oom_control").read_text()) == 0
+
+
+def test_a_kept_counter_of_a_removed_cgroup_is_not_read(v1_cgroup: Callable[..., Path]) -> None:
+    """A cgroup removed and made again at the same path (a job's cgroup,
+    between two jobs): the kept descriptor is the old cgroup's file.  The
+    watch must read the new one."""
+    cg = v1_cgroup(64 * MiB)
+    counter = str(cg / "memory.oom_control")
+    (cg / "memory.oom_control").write_text("1")         # oom_kill_disable: tells the two apart
+    assert _oom._read(counter).startswith("oom_kill_disable 1\n")
+    assert counter in _kept_fds().values()
+    cg.rmdir()
+    cg.mkdir()
+    try:
+        assert _oom._read(counter).startswith("oom_kill_disable 0\n")
+    finally:
+        _oom.start_watch()   # the launcher's own counter on the kept number again
 
 
 RANKS = textwrap.dedent("""\

@@ -235,9 +235,27 @@ def memory_cgroup_at_usual_mount(proc_cgroup: str) -> MemCgroup | None:
 
 # --- reading the system ---------------------------------------------------------
 
+def _kept_slot(path: str) -> int | None:
+    """Where _core.read_kept keeps the file every launch reads, if it is one."""
+    if path == "/proc/self/cgroup":
+        return 0
+    return 1 if path.endswith(_COUNTER_SUFFIXES) else None
+
+
+_COUNTER_SUFFIXES = tuple("/" + name for name in COUNTER_FILES.values())
+
+
 def _read(path: str) -> str:
-    # Raw reads: every launch reads two of these small kernel files, and
-    # open()'s text layer costs several times the system calls.
+    # Every launch reads /proc/self/cgroup and the counter: through
+    # descriptors the core keeps open, since opening them (a path walk
+    # through /proc or the cgroup file system) costs more than reading them
+    # (docs/profiles.md).  The rest with raw reads: open()'s text layer
+    # costs several times the system calls.
+    slot = _kept_slot(path)
+    if slot is not None:
+        data = _core.read_kept(slot, path)
+        if data is not None:
+            return data.decode("utf-8", "surrogateescape")
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         chunks = []

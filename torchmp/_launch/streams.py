@@ -157,6 +157,11 @@ def ensure_fd_budget(needed: int, nprocs: int, limits: tuple[int, int, int] | No
     needed += in_use
     if soft == NO_FD_LIMIT or needed <= soft:
         return
+    # The OOM watch's two kept descriptors are a cache: a launch that needs
+    # them gets them (the next launch with room opens them again).
+    needed -= _core.drop_kept_files()
+    if needed <= soft:
+        return
     if hard == NO_FD_LIMIT or needed <= hard:
         import resource  # here only: most launches have the fds they need
 
