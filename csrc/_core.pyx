@@ -300,6 +300,13 @@ def open_fd_count():
     return check(torchmp_open_fd_count(), b"counting /proc/self/fd")
 
 
+def fd_room(int n):
+    """True if ``n`` more fds surely fit under the soft RLIMIT_NOFILE without
+    counting the open ones: it is unlimited, or the ``n`` numbers just below
+    it are free (one poll; csrc/procscan.c).  False: count them."""
+    return check(torchmp_fd_room(n), b"poll of the highest fd numbers") == 1
+
+
 def read_kept(int slot, path not None):
     """The whole of a small kernel file, through a descriptor kept open in
     ``slot`` (0 or 1) from one call to the next (csrc/cgroupfs.c); None if

@@ -277,6 +277,7 @@ cdef extern from "torchmp.h" nogil:
     int torchmp_backend_choice()
     void torchmp_procscan_init()
     int torchmp_open_fd_count()
+    int torchmp_fd_room(int n)
     pid_t torchmp_self_pid()
     int torchmp_log_create(const char *path, int *wrong_type)
     int torchmp_cgroup_root_version(const char *path)

@@ -38,6 +38,8 @@
 #include <string.h>
 #include <signal.h>
 #include <unistd.h>
+#include <poll.h>
+#include <sys/resource.h>
 #ifdef TORCHMP_HAVE_PROC_FD_DIR
 #include <sys/syscall.h>
 #endif
@@ -116,6 +118,45 @@ int torchmp_open_fd_count(void)
     errno = ENOSYS;
     return -1;
 #endif
+}
+
+int torchmp_fd_room(int n)
+{
+    /* Without counting what is open (a walk of /proc/self/fd: a path walk
+     * and a getdents64 that formats every entry): if the n numbers just
+     * below the soft limit are all free, n more descriptors fit, since the
+     * kernel hands out the lowest free number.  One poll of those numbers
+     * says so: POLLNVAL for each that is not open, past the end of the fd
+     * table too.  (An O_PATH descriptor among them looks free to poll: that
+     * launch meets EMFILE half-way instead, tears down what it started and
+     * says so, as when another thread took the room meanwhile.) */
+    struct pollfd fds[TORCHMP_FD_ROOM_MAX];
+    struct rlimit lim;
+    int i, rc;
+
+    if (n <= 0)
+        return 1;
+    if (getrlimit(RLIMIT_NOFILE, &lim) != 0)
+        return -1;
+    if (lim.rlim_cur == RLIM_INFINITY)
+        return 1;
+    if (n > TORCHMP_FD_ROOM_MAX || (rlim_t)n > lim.rlim_cur)
+        return 0;
+    for (i = 0; i < n; i++) {
+        fds[i].fd = (int)(lim.rlim_cur - (rlim_t)n) + i;
+        fds[i].events = 0;
+        fds[i].revents = 0;
+    }
+    do {
+        rc = poll(fds, (nfds_t)n, 0);
+    } while (rc < 0 && errno == EINTR);
+    if (rc < 0)
+        return -1;
+    for (i = 0; i < n; i++) {
+        if (!(fds[i].revents & POLLNVAL))
+            return 0;
+    }
+    return 1;
 }
 
 int torchmp_pid_exited(pid_t pid)

@@ -691,6 +691,11 @@ int torchmp_pgroup_surely_empty(pid_t pgid, long span);
 int torchmp_pid_exited(pid_t pid);
 /* How many fds this process has open (/proc/self/fd), -1 with errno. */
 int torchmp_open_fd_count(void);
+/* 1 if n more fds surely fit under the soft RLIMIT_NOFILE without counting
+ * the open ones (it is unlimited, or the n numbers below it are free: one
+ * poll), 0 if that cannot be told so (count them), -1 with errno. */
+#define TORCHMP_FD_ROOM_MAX 256
+int torchmp_fd_room(int n);
 /* Open what the scans read every time (once per process; errors ignored). */
 void torchmp_procscan_init(void);
 

@@ -11,9 +11,15 @@ left behind.
 """
 from __future__ import annotations
 
+import json
+import os
+import resource
+import subprocess
+import sys
+
 import pytest
 
-from torchmp import _core
+from torchmp import DefaultLogsSpecs, Std, _core, _native, start_processes
 
 from helpers import Launchers
 
@@ -101,3 +107,68 @@ def test_past_the_capacity_is_a_clear_error_before_anything_starts(tmp_path, lim
     # EMFILE, no child process, no fd left open, and the message says why.
     assert words[1:4] == ["24", "0", "0"], line
     assert f"RLIMIT_NOFILE is {limit} (hard {limit})" in line
+
+
+# --- the budget check without counting: one poll below the soft limit ---------
+
+FD_ROOM_SCRIPT = r"""
+import json, os, resource
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+from torchmp import _core
+out = {"free": _core.fd_room(5)}
+os.dup2(0, 63)
+out["the_last_number_taken"] = _core.fd_room(5)
+os.close(63)
+os.dup2(0, 58)
+out["one_below_the_polled_numbers"] = _core.fd_room(5)
+out["one_among_them"] = _core.fd_room(6)
+out["more_than_the_limit"] = _core.fd_room(65)
+print(json.dumps(out))
+"""
+
+
+def test_fd_room_is_told_by_the_numbers_just_below_the_soft_limit(tmp_path):
+    """n more fds surely fit when the n numbers below the soft limit are free
+    (the kernel hands out the lowest free number); anything else is left to
+    the count."""
+    proc = subprocess.run([sys.executable, "-c", FD_ROOM_SCRIPT], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {
+        "free": True, "the_last_number_taken": False, "one_below_the_polled_numbers": True,
+        "one_among_them": False, "more_than_the_limit": False}
+
+
+def test_a_launch_far_from_the_fd_limit_does_not_count_its_fds(tmp_path, monkeypatch):
+    """Counting the open fds walks /proc/self/fd (a path walk and a
+    getdents64 that formats every entry): 14 us of a one-rank launch.  Only
+    a launch that may not fit counts, and one with teed streams, which
+    chooses between pipes and followed logs by the count."""
+    counted = []
+    real = _native.fd_limits
+
+    def counting():
+        counted.append(True)
+        return real()
+    monkeypatch.setattr(_native, "fd_limits", counting)
+
+    def launch(**streams):
+        ctx = start_processes("room", "true", {0: ()}, {0: {}}, DefaultLogsSpecs(log_dir=str(tmp_path), **streams))
+        result = ctx.wait(30)
+        ctx.close()
+        assert result is not None and not result.is_failed(), result
+
+    launch()
+    launch(redirects=Std.ALL)
+    assert counted == []
+    launch(tee=Std.ALL)
+    assert counted == [True]
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return
+    os.dup2(0, soft - 1)   # the number just below the limit taken: count
+    try:
+        launch()
+    finally:
+        os.close(soft - 1)
+    assert counted == [True, True]

@@ -18,7 +18,7 @@ from torchmp import _console, _core, _oom, _orphans, _placement, _shutdown
 from torchmp._launch import Launch, adopt_interrupted
 from torchmp._launch.streams import (
     NO_STREAM, RankStreams, ensure_fd_budget, fd_budget_fits, fd_limits, follow_wanted, followable,
-    launch_fds_needed, open_log, prepare_log,
+    launch_fds_needed, open_log, prepare_log, surely_fits,
 )
 from torchmp._inputs import (
     DEFAULT_STDERR_TAIL_LINES, TAIL_BYTES_PER_LINE, check_filters, check_name, check_prefixes,
@@ -215,7 +215,14 @@ class _NativeContext(PContext):
         return not fd_budget_fits(self._fds_needed(), limits)
 
     def _ensure_fd_budget(self) -> None:
-        limits = fd_limits()  # once a launch: a /proc/self/fd scan
+        if not (self._logs_dest.tee_stdouts or self._logs_dest.tee_stderrs):
+            # No pipes or followed logs to choose between: one poll says
+            # whether the launch surely fits, and only a launch near the
+            # limit counts its fds (docs/profiles.md).
+            self._follow_logs = False
+            if surely_fits(self._fds_needed()):
+                return
+        limits = fd_limits()  # a /proc/self/fd scan
         self._follow_logs = self._choose_follow(limits)
         ensure_fd_budget(self._fds_needed(), self.nprocs, limits)
 

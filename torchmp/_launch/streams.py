@@ -128,6 +128,17 @@ def fd_budget_fits(needed: int, limits: tuple[int, int, int] | None) -> bool:
     return hard == NO_FD_LIMIT or needed + in_use <= hard
 
 
+def surely_fits(needed: int) -> bool:
+    """Whether ``needed`` more fds surely fit under the soft RLIMIT_NOFILE,
+    told without counting the open ones (:func:`fd_limits` walks
+    /proc/self/fd): true for most launches, which are far from the limit.
+    False when it cannot be told so: count."""
+    try:
+        return _core.fd_room(needed)
+    except OSError:
+        return False
+
+
 def fd_limits() -> tuple[int, int, int] | None:
     """(fds in use, soft limit, hard limit), or None where unknown."""
     try:
