@@ -71,17 +71,19 @@ int torchmp_cgroup_root_version(const char *path)
  * A kept descriptor is checked before each read (one fstat): the number
  * may have been closed behind our back and reused for another file.  The
  * file of a cgroup removed meanwhile fails the read (ENODEV), and the path
- * is opened again, whatever is there by then.  In a child forked with the descriptors, /proc/self/cgroup would
- * still be the parent's: the child closes them (an at-fork handler, and the
- * pid check here for forks that do not run it) and opens its own.  Only
- * the kernel's files are kept (proc, cgroup): a regular file in their
- * place (a test's) is read and closed as before.  Callers hold the GIL:
- * one at a time, so no lock.
+ * is opened again, whatever is there by then.  In a child forked with the
+ * descriptors, /proc/self/cgroup would still be the parent's: the child
+ * closes them (an at-fork handler, and the pid check here for forks that
+ * do not run it) and opens its own.  Only the kernel's files are kept
+ * (proc, cgroup): a regular file in their place (a test's) is read and
+ * closed as before.  A file is kept from its second read on: a process
+ * that launches once (torchmp run) holds no more descriptors than before.
+ * Callers hold the GIL: one at a time, so no lock.
  */
 #ifdef __linux__
 struct kept_file {
     int fd;              /* -1: none */
-    pid_t pid;           /* the process that opened it */
+    pid_t pid;           /* the process that opened it (or read path once) */
     dev_t dev;
     ino_t ino;
     char path[PATH_MAX];
@@ -103,6 +105,12 @@ static int kernel_file(int fd)
     struct statfs fs;
     return fstatfs(fd, &fs) == 0 &&
            (fs.f_type == PROC_MAGIC || fs.f_type == CGROUP_V1_MAGIC || fs.f_type == CGROUP_V2_MAGIC);
+}
+
+/* Whether this process read path through slot k before. */
+static int seen_before(const struct kept_file *k, const char *path)
+{
+    return k->pid == torchmp_self_pid() && strcmp(k->path, path) == 0;
 }
 
 /* Close k's descriptor if it still is ours; 1 if it was closed. */
@@ -158,9 +166,13 @@ ssize_t torchmp_read_kept(int slot, const char *path, char *buf, size_t size)
     fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
         return -1;
-    if (fstat(fd, &st) != 0 || !kernel_file(fd)) {
-        /* Not kept (a regular file in its place: a test's); the slot keeps
-         * what it had. */
+    if (fstat(fd, &st) != 0 || !kernel_file(fd) || (k->fd < 0 && !seen_before(k, path))) {
+        /* Not kept: a regular file in its place (a test's), or the first
+         * read of this path by this process.  The slot keeps what it had. */
+        if (k->fd < 0 && kernel_file(fd)) {
+            k->pid = torchmp_self_pid();
+            memcpy(k->path, path, len + 1);
+        }
         n = read_whole(fd, buf, size);
         saved = errno;
         close(fd);

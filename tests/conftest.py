@@ -91,8 +91,9 @@ except (OSError, AttributeError):  # not glibc
 @pytest.fixture(scope="session", autouse=True)
 def _start_io_thread() -> None:
     # The I/O thread and its control fd live as long as the process, and so
-    # do the OOM watch's two kept descriptors once a launch opened them.
+    # do the OOM watch's two kept descriptors from a second launch on.
     _core.backend()
+    _oom.start_watch()
     _oom.start_watch()
 
 

@@ -296,7 +296,8 @@ else:
     args = {r: (30,) for r in range(n)}
     kw = {"start_method": kind}
 torchmp._core.backend()  # the I/O thread and its fds live as long as the process
-torchmp._oom.start_watch()  # so do the OOM watch's two kept descriptors
+torchmp._oom.start_watch()  # so do the OOM watch's two kept descriptors,
+torchmp._oom.start_watch()  # from a second launch on
 baseline = fds()
 try:
     torchmp.start_processes("w", entry, args, {r: {} for r in range(n)}, specs, **kw)

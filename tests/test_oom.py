@@ -543,7 +543,8 @@ def _kept_fds() -> dict[int, str]:
 
 
 def _live_watch() -> OomWatch:
-    watch = _oom.start_watch()
+    _oom.start_watch()
+    watch = _oom.start_watch()   # kept from the second read on
     if watch is None or not watch.cgroup.counter_file.startswith("/sys/fs/cgroup"):
         pytest.skip("no readable memory cgroup of the kernel's here")
     return watch
@@ -551,8 +552,29 @@ def _live_watch() -> OomWatch:
 
 def test_a_launch_reads_the_oom_files_through_descriptors_it_keeps() -> None:
     """Opening /proc/self/cgroup and the counter (a path walk each) was most
-    of the OOM baseline's cost at every launch: both stay open, and a
-    launch opens neither again."""
+    of the OOM baseline's cost at every launch: from the second launch of
+    a process on, both stay open, and a launch opens neither again.  A
+    process that launches once holds no more fds than before."""
+    script = textwrap.dedent("""\
+        import json, os
+        from torchmp import _oom
+        ends = ("/cgroup", "/memory.oom_control", "/memory.events")
+        def kept():
+            return sorted(n for n in os.listdir("/proc/self/fd")
+                          if os.path.exists(f"/proc/self/fd/{n}")
+                          and os.readlink(f"/proc/self/fd/{n}").endswith(ends))
+        counts = []
+        for _ in range(3):
+            watch = _oom.start_watch()
+            counts.append(len(kept()))
+        print(json.dumps({"watch": watch is not None, "counts": counts}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env=launcher_env())
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    if out["watch"]:
+        assert out["counts"] == [0, 2, 2]
     watch = _live_watch()
     kept = _kept_fds()
     assert sorted(kept.values()) == sorted([f"/proc/{os.getpid()}/cgroup", watch.cgroup.counter_file])
@@ -599,6 +621,7 @@ def test_a_forked_child_reads_its_own_cgroup_not_its_parents() -> None:
     if pid == 0:  # pragma: no cover - the child
         try:
             inherited = [t for t in _kept_fds().values() if t == f"/proc/{parent}/cgroup"]
+            _oom.start_watch()
             watch = _oom.start_watch()
             own = sorted(_kept_fds().values())
             os.write(w, json.dumps({"inherited": inherited, "own": own,
@@ -623,7 +646,7 @@ def test_a_launch_short_of_fds_is_given_the_kept_descriptors(tmp_path: Path) -> 
         import json, resource
         from torchmp import _oom
         from torchmp._launch.streams import ensure_fd_budget, fd_limits
-        if _oom.start_watch() is None:
+        if _oom.start_watch() is None or _oom.start_watch() is None:   # kept from the second on
             raise SystemExit(3)
         in_use, _, _ = fd_limits()
         needed = 20
@@ -811,6 +834,7 @@ def test_a_kept_counter_of_a_removed_cgroup_is_not_read(v1_cgroup: Callable[...,
     counter = str(cg / "memory.oom_control")
     (cg / "memory.oom_control").write_text("1")         # oom_kill_disable: tells the two apart
     assert _oom._read(counter).startswith("oom_kill_disable 1\n")
+    assert _oom._read(counter).startswith("oom_kill_disable 1\n")   # kept from the second read on
     assert counter in _kept_fds().values()
     cg.rmdir()
     cg.mkdir()
