@@ -356,87 +356,179 @@ include "process.pxi"
 DEFAULT_CONSOLE_BACKLOG = TORCHMP_DEFAULT_CONSOLE_BACKLOG
 
 
-# What Group.snapshot() says of one rank: a named tuple, so it reads by name
-# (info.pid) and still unpacks and indexes like the tuple it was.  Built with
-# tuple.__new__ (no Python-level __new__ per rank).
-import collections as _collections
-ProcInfo = _collections.namedtuple("ProcInfo", [
-    "state",          # PROC_UNSTARTED, PROC_RUNNING or PROC_EXITED
-    "pid",            # the worker's pid (0 before it started)
-    "wait_status",    # the raw wait status once exited
-    "start_mono_ns",  # CLOCK_MONOTONIC at start
-    "exit_mono_ns",   # CLOCK_MONOTONIC when the exit was recorded
-    "exit_real_ns",   # CLOCK_REALTIME when the exit was recorded
-    "utime_ns",       # user CPU time
-    "stime_ns",       # system CPU time
-    "maxrss_kb",      # peak resident set, KiB
-    "out_log_errno",  # first error writing the stdout log, 0 if none
-    "err_log_errno",  # first error writing the stderr log, 0 if none
-    "status_lost",    # another process reaped it, or its forkserver died
-])
-ProcInfo.__module__ = __name__
+# The core's records: tuples with named fields, as collections.namedtuple
+# makes them (the same _fields, _make, _replace, _asdict, repr, pickling and
+# keyword construction), written out as classes.  namedtuple compiles each
+# class's __new__ from source when it is made: nine of them cost a fresh
+# interpreter 0.8 ms of `import torchmp`, these 0.1 ms (docs/profiles.md).
+from _collections import _tuplegetter as _field  # namedtuple's own field accessor
+
+
+class _Record(tuple):
+    __slots__ = ()
+    _fields = ()
+    _field_defaults = {}
+
+    @classmethod
+    def _make(cls, iterable):
+        result = tuple.__new__(cls, iterable)
+        if len(result) != len(cls._fields):
+            raise TypeError(f"Expected {len(cls._fields)} arguments, got {len(result)}")
+        return result
+
+    def _replace(self, **changes):
+        result = self._make([changes.pop(name, value) for name, value in zip(self._fields, self)])
+        if changes:
+            raise ValueError(f"Got unexpected field names: {list(changes)!r}")
+        return result
+
+    def _asdict(self):
+        return dict(zip(self._fields, self))
+
+    def __repr__(self):
+        return type(self).__name__ + "(" + ", ".join(
+            [f"{name}={value!r}" for name, value in zip(self._fields, self)]) + ")"
+
+    def __getnewargs__(self):
+        return tuple(self)
+
+
+# What Group.snapshot() says of one rank: it reads by name (info.pid) and
+# still unpacks and indexes like the tuple it was.  Built with tuple.__new__
+# (no Python-level __new__ per rank).
+class ProcInfo(_Record):
+    __slots__ = ()
+    _fields = __match_args__ = (
+        "state", "pid", "wait_status", "start_mono_ns", "exit_mono_ns", "exit_real_ns",
+        "utime_ns", "stime_ns", "maxrss_kb", "out_log_errno", "err_log_errno", "status_lost")
+    state = _field(0, "PROC_UNSTARTED, PROC_RUNNING or PROC_EXITED")
+    pid = _field(1, "the worker's pid (0 before it started)")
+    wait_status = _field(2, "the raw wait status once exited")
+    start_mono_ns = _field(3, "CLOCK_MONOTONIC at start")
+    exit_mono_ns = _field(4, "CLOCK_MONOTONIC when the exit was recorded")
+    exit_real_ns = _field(5, "CLOCK_REALTIME when the exit was recorded")
+    utime_ns = _field(6, "user CPU time")
+    stime_ns = _field(7, "system CPU time")
+    maxrss_kb = _field(8, "peak resident set, KiB")
+    out_log_errno = _field(9, "first error writing the stdout log, 0 if none")
+    err_log_errno = _field(10, "first error writing the stderr log, 0 if none")
+    status_lost = _field(11, "another process reaped it, or its forkserver died")
+
+    def __new__(cls, state, pid, wait_status, start_mono_ns, exit_mono_ns, exit_real_ns,
+                utime_ns, stime_ns, maxrss_kb, out_log_errno, err_log_errno, status_lost):
+        return tuple.__new__(cls, (state, pid, wait_status, start_mono_ns, exit_mono_ns, exit_real_ns,
+                                   utime_ns, stime_ns, maxrss_kb, out_log_errno, err_log_errno, status_lost))
+
 
 # The small records the core's calls return, named for the same reason.
-ExitRecord = _collections.namedtuple("ExitRecord", [  # collect_exit
-    "wait_status", "utime_ns", "stime_ns", "maxrss_kb"])
-StreamState = _collections.namedtuple("StreamState", [  # Group.stream_state, per rank
-    "stdout_open", "stderr_open",        # whether each teed pipe is still drained
-    "stdout_last_ns", "stderr_last_ns",  # CLOCK_MONOTONIC of its last bytes (0: none yet)
-])
-WorkerFds = _collections.namedtuple("WorkerFds", [  # Group.prepare, per rank; -1: none
-    "stdout", "stderr", "return_channel"])
-Forked = _collections.namedtuple("Forked", [  # Group.fork_rank
-    "pid",        # the worker's pid in the parent, 0 in the worker
-    "return_fd",  # the worker's return channel in the worker, -1 in the parent
-])
-for _record in (ExitRecord, StreamState, WorkerFds, Forked):
-    _record.__module__ = __name__
-del _record
+class ExitRecord(_Record):  # collect_exit
+    __slots__ = ()
+    _fields = __match_args__ = ("wait_status", "utime_ns", "stime_ns", "maxrss_kb")
+    wait_status = _field(0, "the raw wait status")
+    utime_ns = _field(1, "user CPU time")
+    stime_ns = _field(2, "system CPU time")
+    maxrss_kb = _field(3, "peak resident set, KiB")
+
+    def __new__(cls, wait_status, utime_ns, stime_ns, maxrss_kb):
+        return tuple.__new__(cls, (wait_status, utime_ns, stime_ns, maxrss_kb))
+
+
+class StreamState(_Record):  # Group.stream_state, per rank
+    __slots__ = ()
+    _fields = __match_args__ = ("stdout_open", "stderr_open", "stdout_last_ns", "stderr_last_ns")
+    stdout_open = _field(0, "whether the teed stdout pipe is still drained")
+    stderr_open = _field(1, "whether the teed stderr pipe is still drained")
+    stdout_last_ns = _field(2, "CLOCK_MONOTONIC of stdout's last bytes (0: none yet)")
+    stderr_last_ns = _field(3, "CLOCK_MONOTONIC of stderr's last bytes (0: none yet)")
+
+    def __new__(cls, stdout_open, stderr_open, stdout_last_ns, stderr_last_ns):
+        return tuple.__new__(cls, (stdout_open, stderr_open, stdout_last_ns, stderr_last_ns))
+
+
+class WorkerFds(_Record):  # Group.prepare, per rank; -1: none
+    __slots__ = ()
+    _fields = __match_args__ = ("stdout", "stderr", "return_channel")
+    stdout = _field(0, "the worker's stdout fd, -1: none")
+    stderr = _field(1, "the worker's stderr fd, -1: none")
+    return_channel = _field(2, "the worker's return channel fd, -1: none")
+
+    def __new__(cls, stdout, stderr, return_channel):
+        return tuple.__new__(cls, (stdout, stderr, return_channel))
+
+
+class Forked(_Record):  # Group.fork_rank
+    __slots__ = ()
+    _fields = __match_args__ = ("pid", "return_fd")
+    pid = _field(0, "the worker's pid in the parent, 0 in the worker")
+    return_fd = _field(1, "the worker's return channel in the worker, -1 in the parent")
+
+    def __new__(cls, pid, return_fd):
+        return tuple.__new__(cls, (pid, return_fd))
+
 
 # What Group.spawn and Group.prepare take: how one stream of a rank is wired
-# (stdout, stderr or the return channel), and one rank to exec.  Named
-# tuples, so plain tuples of the same fields are accepted too.
-StreamSpec = _collections.namedtuple("StreamSpec", [
-    "mode",        # STREAM_INHERIT, STREAM_FILE, STREAM_TEE or STREAM_RETURN (the return channel)
-    "fd",          # FILE: the file; TEE: the log file or -1
-    "console",     # TEE: the launcher's fd 1 or 2, -1 for none, or a QueueConsole
-    "prefix",      # TEE: the console prefix (bytes), or None
-    "timestamps",  # TEE: a UTC time on every console line
-    "log_path",    # TEE: the log file's path for the console's marker line (bytes), or None
-    "backlog",     # TEE: the console backlog bound for this stream, bytes
-    "tail",        # TEE: keep this many of the last bytes for Group.tail (0: none)
+# (stdout, stderr or the return channel), and one rank to exec.  Plain
+# tuples of the same fields are accepted too.
+class StreamSpec(_Record):
+    __slots__ = ()
+    _fields = __match_args__ = ("mode", "fd", "console", "prefix", "timestamps", "log_path", "backlog",
+                                "tail", "open_log", "follow_log")
+    _field_defaults = {"timestamps": False, "log_path": None, "backlog": DEFAULT_CONSOLE_BACKLOG,
+                       "tail": 0, "open_log": False, "follow_log": False}
+    mode = _field(0, "STREAM_INHERIT, STREAM_FILE, STREAM_TEE or STREAM_RETURN (the return channel)")
+    fd = _field(1, "FILE: the file; TEE: the log file or -1")
+    console = _field(2, "TEE: the launcher's fd 1 or 2, -1 for none, or a QueueConsole")
+    prefix = _field(3, "TEE: the console prefix (bytes), or None")
+    timestamps = _field(4, "TEE: a UTC time on every console line")
+    log_path = _field(5, "TEE: the log file's path for the console's marker line (bytes), or None")
+    backlog = _field(6, "TEE: the console backlog bound for this stream, bytes")
+    tail = _field(7, "TEE: keep this many of the last bytes for Group.tail (0: none)")
     # FILE, TEE: the core opens log_path (created and checked by the caller)
     # only when the rank starts, and a FILE one is closed once the worker has
     # it: a launch holds no fd for the logs of ranks it has not reached.
-    "open_log",
+    open_log = _field(8, "FILE, TEE: the core opens log_path when the rank starts")
     # TEE with open_log: the worker writes its log itself and the I/O thread
     # follows the file to the console (no fd per stream while the rank runs);
     # piped where it cannot be followed (see HAVE_FOLLOW).
-    "follow_log",
-], defaults=(False, None, DEFAULT_CONSOLE_BACKLOG, 0, False, False))
-StreamSpec.__module__ = __name__
+    follow_log = _field(9, "TEE with open_log: the I/O thread follows the worker's log file")
 
-RankSpec = _collections.namedtuple("RankSpec", [
-    "path",        # the executable (bytes; PATH lookup done by the caller)
-    "argv",        # [bytes]
-    "envp",        # [b"K=V"]
-    "out",         # StreamSpec of stdout
-    "err",         # StreamSpec of stderr
-    "return_channel",  # StreamSpec of the return channel (STREAM_RETURN, or STREAM_INHERIT: none)
-    "payload_fd",  # becomes the worker's fd FD_PAYLOAD, or -1
-    "binding",     # a Binding, or None: the worker runs where the launcher may
-], defaults=(None,))
-RankSpec.__module__ = __name__
+    def __new__(cls, mode, fd, console, prefix, timestamps=False, log_path=None,
+                backlog=DEFAULT_CONSOLE_BACKLOG, tail=0, open_log=False, follow_log=False):
+        return tuple.__new__(cls, (mode, fd, console, prefix, timestamps, log_path, backlog, tail,
+                                   open_log, follow_log))
+
+
+class RankSpec(_Record):
+    __slots__ = ()
+    _fields = __match_args__ = ("path", "argv", "envp", "out", "err", "return_channel", "payload_fd",
+                                "binding")
+    _field_defaults = {"binding": None}
+    path = _field(0, "the executable (bytes; PATH lookup done by the caller)")
+    argv = _field(1, "[bytes]")
+    envp = _field(2, "[b'K=V']")
+    out = _field(3, "StreamSpec of stdout")
+    err = _field(4, "StreamSpec of stderr")
+    return_channel = _field(5, "StreamSpec of the return channel (STREAM_RETURN, or STREAM_INHERIT: none)")
+    payload_fd = _field(6, "becomes the worker's fd FD_PAYLOAD, or -1")
+    binding = _field(7, "a Binding, or None: the worker runs where the launcher may")
+
+    def __new__(cls, path, argv, envp, out, err, return_channel, payload_fd, binding=None):
+        return tuple.__new__(cls, (path, argv, envp, out, err, return_channel, payload_fd, binding))
+
 
 # Where a worker runs, applied in the child before exec (or before a forked
 # worker's function runs): sched_setaffinity to cpus, and set_mempolicy
 # (MPOL_BIND) to the nodes in mems.  An empty field leaves that setting as
 # the launcher's.
-Binding = _collections.namedtuple("Binding", [
-    "cpus",        # CPU ids (sorted tuple)
-    "mems",        # NUMA node ids (sorted tuple); () for no memory policy
-])
-Binding.__module__ = __name__
+class Binding(_Record):
+    __slots__ = ()
+    _fields = __match_args__ = ("cpus", "mems")
+    cpus = _field(0, "CPU ids (sorted tuple)")
+    mems = _field(1, "NUMA node ids (sorted tuple); () for no memory policy")
+
+    def __new__(cls, cpus, mems):
+        return tuple.__new__(cls, (cpus, mems))
+
 
 include "command.pxi"
 

@@ -18,19 +18,27 @@ NOTE_CHANGED = TORCHMP_NOTE_CHANGED
 
 STEP_CHDIR = TORCHMP_STEP_CHDIR
 
-# What Command.info() says of a command (a named tuple, like ProcInfo).
-CommandInfo = _collections.namedtuple("CommandInfo", [
-    "pid",            # the leader's pid
-    "state",          # CMD_* bits
-    "wait_status",    # the raw wait status once exited
-    "status_lost",    # reaped by something else: no status
-    "start_mono_ns",  # CLOCK_MONOTONIC at start
-    "exit_mono_ns",   # CLOCK_MONOTONIC when the exit was seen
-    "utime_ns",       # user CPU time
-    "stime_ns",       # system CPU time
-    "maxrss_kb",      # peak resident set, KiB
-])
-CommandInfo.__module__ = __name__
+
+# What Command.info() says of a command (a record, like ProcInfo).
+class CommandInfo(_Record):
+    __slots__ = ()
+    _fields = __match_args__ = ("pid", "state", "wait_status", "status_lost", "start_mono_ns",
+                                "exit_mono_ns", "utime_ns", "stime_ns", "maxrss_kb")
+    pid = _field(0, "the leader's pid")
+    state = _field(1, "CMD_* bits")
+    wait_status = _field(2, "the raw wait status once exited")
+    status_lost = _field(3, "reaped by something else: no status")
+    start_mono_ns = _field(4, "CLOCK_MONOTONIC at start")
+    exit_mono_ns = _field(5, "CLOCK_MONOTONIC when the exit was seen")
+    utime_ns = _field(6, "user CPU time")
+    stime_ns = _field(7, "system CPU time")
+    maxrss_kb = _field(8, "peak resident set, KiB")
+
+    def __new__(cls, pid, state, wait_status, status_lost, start_mono_ns, exit_mono_ns, utime_ns,
+                stime_ns, maxrss_kb):
+        return tuple.__new__(cls, (pid, state, wait_status, status_lost, start_mono_ns, exit_mono_ns,
+                                   utime_ns, stime_ns, maxrss_kb))
+
 
 # Per process: the keeper that kills every command's group if this process
 # dies, and the /proc scans' cached fd (a forked child sets up its own).
