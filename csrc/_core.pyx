@@ -382,6 +382,8 @@ class _Record(tuple):
             raise ValueError(f"Got unexpected field names: {list(changes)!r}")
         return result
 
+    __replace__ = _replace  # copy.replace (Python 3.13)
+
     def _asdict(self):
         return dict(zip(self._fields, self))
 

@@ -10,6 +10,7 @@ test_exec_error_decoder_names_setup_steps.)
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import struct
 import subprocess
@@ -150,6 +151,42 @@ def test_stream_spec_defaults() -> None:
     assert spec == (_core.STREAM_TEE, -1, 1, b"[p]", False, None, _core.DEFAULT_CONSOLE_BACKLOG, 0, False, False)
     assert _core.StreamSpec.__module__ == _core.RankSpec.__module__ == _core.ProcInfo.__module__ == "torchmp._core"
     assert len({_core.STREAM_INHERIT, _core.STREAM_FILE, _core.STREAM_TEE, _core.STREAM_RETURN}) == 4
+
+
+RECORDS = [_core.ProcInfo, _core.ExitRecord, _core.StreamState, _core.WorkerFds, _core.Forked,
+           _core.StreamSpec, _core.RankSpec, _core.Binding, _core.CommandInfo]
+
+
+@pytest.mark.parametrize("record", RECORDS, ids=lambda cls: cls.__name__)
+def test_the_records_keep_what_a_namedtuple_offers(record) -> None:
+    # Written out as classes (a namedtuple compiles source at import), they
+    # keep the surface code reads them by.
+    fields = record._fields
+    values = tuple(range(len(fields)))
+    by_name = record(**dict(zip(fields, values, strict=True)))
+    assert by_name == record(*values) == record._make(values) == values
+    assert type(by_name) is record and record.__module__ == "torchmp._core"
+    assert [getattr(by_name, name) for name in fields] == list(values)
+    assert by_name._asdict() == dict(zip(fields, values, strict=True))
+    assert by_name._replace(**{fields[-1]: "x"}) == values[:-1] + ("x",)
+    shown = ", ".join(f"{name}={value!r}" for name, value in zip(fields, values, strict=True))
+    assert repr(by_name) == f"{record.__name__}({shown})"
+    assert pickle.loads(pickle.dumps(by_name)) == by_name and type(pickle.loads(pickle.dumps(by_name))) is record
+    assert record.__match_args__ == fields
+    assert set(record._field_defaults) <= set(fields)
+    assert record(*values[:len(fields) - len(record._field_defaults)]) == (
+        values[:len(fields) - len(record._field_defaults)] + tuple(record._field_defaults.values()))
+    with pytest.raises(AttributeError):
+        setattr(by_name, fields[0], 1)
+    with pytest.raises(TypeError):
+        record._make(values + (0,))
+    with pytest.raises(ValueError, match="unexpected field"):
+        by_name._replace(no_such_field=1)
+    with pytest.raises(TypeError):
+        record(*values[:-1 - len(record._field_defaults)])
+    if sys.version_info >= (3, 13):
+        import copy
+        assert copy.replace(by_name, **{fields[0]: "y"}) == ("y",) + values[1:]
 
 
 def test_spawn_takes_records_and_plain_tuples(tmp_path) -> None:
