@@ -142,7 +142,7 @@ ssize_t torchmp_read_kept(int slot, const char *path, char *buf, size_t size)
     struct stat st;
     size_t len = strlen(path);
     ssize_t n;
-    int fd, saved;
+    int fd, saved, keepable;
 
     if (slot < 0 || slot >= TORCHMP_KEPT_FILES || len >= sizeof(k->path)) {
         errno = EINVAL;
@@ -166,10 +166,11 @@ ssize_t torchmp_read_kept(int slot, const char *path, char *buf, size_t size)
     fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
         return -1;
-    if (fstat(fd, &st) != 0 || !kernel_file(fd) || (k->fd < 0 && !seen_before(k, path))) {
+    keepable = fstat(fd, &st) == 0 && kernel_file(fd);
+    if (!keepable || (k->fd < 0 && !seen_before(k, path))) {
         /* Not kept: a regular file in its place (a test's), or the first
          * read of this path by this process.  The slot keeps what it had. */
-        if (k->fd < 0 && kernel_file(fd)) {
+        if (keepable && k->fd < 0) {
             k->pid = torchmp_self_pid();
             memcpy(k->path, path, len + 1);
         }
