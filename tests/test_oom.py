@@ -550,7 +550,7 @@ def _live_watch() -> OomWatch:
     return watch
 
 
-def test_a_launch_reads_the_oom_files_through_descriptors_it_keeps() -> None:
+def test_a_launch_reads_the_oom_files_through_descriptors_it_keeps(tmp_path: Path) -> None:
     """Opening /proc/self/cgroup and the counter (a path walk each) was most
     of the OOM baseline's cost at every launch: from the second launch of
     a process on, both stay open, and a launch opens neither again.  A
@@ -569,8 +569,10 @@ def test_a_launch_reads_the_oom_files_through_descriptors_it_keeps() -> None:
             counts.append(len(kept()))
         print(json.dumps({"watch": watch is not None, "counts": counts}))
     """)
+    # cwd: `-c` puts it first on sys.path, and a source checkout there (CI
+    # runs from one) would shadow the torchmp under test.
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-                          env=launcher_env())
+                          cwd=tmp_path, env=launcher_env())
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     if out["watch"]:
