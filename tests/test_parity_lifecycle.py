@@ -104,6 +104,21 @@ SIGNAL_DRIVER = """
 """
 
 
+def _signal_dispositions(pid: int) -> str:
+    """The SigBlk/SigIgn/SigCgt lines of a process, for a failure message
+    (a rank that outlives the close's signal: ignored, blocked or caught?)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return " ".join(line.strip() for line in f if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
+    except OSError as e:
+        return f"status unreadable ({e})"
+
+
+def _rank_stderr(log_dir: Path) -> str:
+    found = sorted(log_dir.rglob("stderr.log"))
+    return found[0].read_text(errors="replace")[-2000:] if found else "(none)"
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
 def test_signal_to_launcher_raises_signal_exception(impl, tmp_path, sig):
     """start_processes() makes SIGTERM/SIGINT/... raise SignalException in the
@@ -115,12 +130,15 @@ def test_signal_to_launcher_raises_signal_exception(impl, tmp_path, sig):
         rank_pid = int(read_line(proc, "READY ").split()[1])
         assert rank_pid == int(ready.read_text())
         assert pid_alive(rank_pid)
+        rank_signals = _signal_dispositions(rank_pid)
         os.kill(proc.pid, sig)
         out, err = finish_driver(proc, timeout=30)
         assert proc.returncode == 0, err
         lines = out.splitlines()
         assert f"SIGVAL {sig.name} Signals" in lines
-        assert f"CLOSED {{0: {-int(sig)}}}" in lines
+        assert f"CLOSED {{0: {-int(sig)}}}" in lines, (
+            f"the rank's {rank_signals} before the signal; the driver's stderr: {err!r}; "
+            f"the rank's stderr log: {_rank_stderr(tmp_path / 'logs')!r}")
         assert wait_gone([rank_pid], timeout=2) == []
     finally:
         if proc.poll() is None:
