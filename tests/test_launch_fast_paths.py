@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 from pathlib import Path
 
@@ -136,3 +141,38 @@ def test_a_finished_launch_is_freed_without_a_wake_up_of_its_own(tmp_path: Path)
     assert got["most_alive"] <= 128, got
     if got["backend"] == "epoll":  # (the poll backend spawns from the I/O thread: a command each)
         assert got["woken"] <= 70, got  # 80 when each release woke it
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
+def test_a_first_launch_makes_no_descriptor_it_throws_away(tmp_path: Path) -> None:
+    # The first launch of a process makes the I/O thread.  Choosing its
+    # backend used to open a pidfd of the launcher itself only to close it,
+    # and naming the thread opened /proc/self/task/TID/comm from the
+    # launching thread: 60 us of the launcher's CPU together.  Now the
+    # probe makes no descriptor and the thread names itself.
+    script = f"""
+        import json, os, torchmp
+        from torchmp import _core
+        ctx = torchmp.start_processes("w", "true", {{0: (), 1: ()}}, {{0: {{}}, 1: {{}}}},
+                                      torchmp.DefaultLogsSpecs(log_dir={str(tmp_path / "logs")!r}))
+        pids = sorted(ctx.pids().values())
+        ctx.wait()
+        ctx.close()
+        names = [open(f"/proc/self/task/{{t}}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+        print(json.dumps({{"backend": _core.backend(), "ranks": pids, "threads": names}}))
+    """
+    trace = tmp_path / "trace"
+    code = textwrap.dedent(script)
+    res = subprocess.run(["strace", "-f", "-qq", "-e", "trace=pidfd_open,openat", "-o", str(trace),
+                          sys.executable, "-c", code], cwd=tmp_path, capture_output=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert res.returncode == 0, res.stderr.decode()
+    got = json.loads(res.stdout)
+    assert "torchmp-io" in got["threads"]
+    calls = trace.read_text().splitlines()
+    pidfds = sorted(int(m[1]) for line in calls if (m := re.search(r"pidfd_open\((-?\d+), ", line)))
+    # One per rank (the poll backend watches none); a probe names no process.
+    ranks = got["ranks"] if got["backend"] == "epoll" else []
+    assert [pid for pid in pidfds if pid > 0] == ranks, [line for line in calls if "pidfd_open" in line]
+    # (The script reads the names back: only an open to write counts.)
+    assert not [line for line in calls if "/comm" in line and "O_RDONLY" not in line]
