@@ -3,7 +3,7 @@ answers as the long way: the OOM-killer baseline's cached cgroup follows a
 move to another cgroup and a fork, the signal handlers installed through
 CPython's C function are torch's handler, as signal.signal would install, and
 a finished launch's group is freed without a wake-up of the I/O thread of its
-own."""
+own; and a first launch makes no descriptor only to throw it away."""
 from __future__ import annotations
 
 import json
