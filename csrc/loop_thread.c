@@ -407,9 +407,18 @@ static int choose_backend(void)
      * a kernel that has the call refuses with EINVAL before it makes
      * anything: a real pidfd and its close cost 20 us of the first launch
      * here.  ENOSYS (an older kernel) and EPERM (a seccomp filter) leave
-     * the poll backend. */
-    if (syscall(SYS_pidfd_open, 0, 0) < 0 && errno == EINVAL)
-        return TORCHMP_BACKEND_EPOLL;
+     * the poll backend.  (An emulation that hands out a descriptor for it
+     * anyway has the call: the descriptor is closed.) */
+    {
+        int saved = errno;
+        long fd = syscall(SYS_pidfd_open, 0, 0);
+        int has_it = fd >= 0 || errno == EINVAL;
+        if (fd >= 0)
+            close((int)fd);
+        errno = saved;
+        if (has_it)
+            return TORCHMP_BACKEND_EPOLL;
+    }
 #endif
     return TORCHMP_BACKEND_POLL;
 }
