@@ -322,10 +322,10 @@ static void *loop_main(void *arg)
     torchmp_event exit_events[MAX_EVENTS];
 
 #ifdef __linux__
-    /* Named by itself: pthread_setname_np from the creating thread opens
-     * and writes /proc/self/task/TID/comm, 40 us of the launcher's first
-     * launch here, where this prctl is under one.  Before the first command
-     * is taken, so a launch that returned has a named I/O thread. */
+    /* Named by itself, first thing: pthread_setname_np from the creating
+     * thread opens and writes /proc/self/task/TID/comm, 40 us of the
+     * launcher's first launch here, where this prctl is under one.  (Until
+     * the thread has first run, ps -L shows it under the launcher's name.) */
     (void)prctl(PR_SET_NAME, (unsigned long)"torchmp-io", 0, 0, 0);
 #endif
     for (;;) {
