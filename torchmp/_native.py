@@ -327,82 +327,98 @@ class _NativeContext(PContext):
     def _build_result(self, ranks: list[_core.ProcInfo]) -> RunProcsResult:
         failures: dict[int, ProcessFailure] = {}
         resources: dict[int, ResourceUsage] = {}
+        # (This runs between the deciding exit and wait()'s return, after a
+        # sleep that left the caches cold: every step it does not take
+        # counts.  See docs/profiles.md.)
+        exited = _core.PROC_EXITED
         for rank, info in enumerate(ranks):
-            pid = info.pid
-            if info.state == _core.PROC_RUNNING and rank in self._abandoned:
-                failures[rank] = ProcessFailure(
-                    local_rank=rank, pid=pid, exitcode=-signal.SIGKILL,
-                    error_file=self.error_files.get(rank, ""),
-                    timestamp_ns=time.time_ns(), terminated_by_launcher=True)
-                why = (f"did not exit {KILL_GRACE_SECONDS:.1f}s after SIGKILL and was abandoned "
-                       "(uninterruptible sleep?)")
-                if not failures[rank].has_recorded_message:
-                    failures[rank].message = why
-                continue
-            if info.state != _core.PROC_EXITED:
+            if info.state != exited:
+                if info.state == _core.PROC_RUNNING and rank in self._abandoned:
+                    failures[rank] = self._abandoned_failure(rank, info.pid)
                 continue
             code = exitcode(info.wait_status)
-            resources[rank] = self._usage(rank, info)
-            for what, e in (("stdout", info.out_log_errno), ("stderr", info.err_log_errno)):
-                if e:
-                    logger.error(
-                        "writing the %s log of local rank %s failed (%s); output after that point "
-                        "is missing from the file", what, rank, os.strerror(e))
-            problem = self._clean_exit_problem(rank) if code == 0 else None
-            if problem is not None:
+            resources[rank] = self._usage(rank, info, code)
+            if info.out_log_errno or info.err_log_errno:
+                self._log_write_failed(rank, info)
+            if code == 0:
+                problem = self._clean_exit_problem(rank)
+                if problem is None:
+                    continue
                 failures[rank] = ProcessFailure(
-                    local_rank=rank, pid=pid, exitcode=0, error_file=self.error_files.get(rank, ""),
+                    local_rank=rank, pid=info.pid, exitcode=0, error_file=self.error_files.get(rank, ""),
                     timestamp_ns=info.exit_real_ns)
                 if not failures[rank].has_recorded_message:
                     failures[rank].message = problem
-            elif code != 0:
-                # A lost status (the forkserver died with its workers) is a
-                # failure of its own, whatever close() sent meanwhile.
-                killed = rank in self._terminated_by_launcher and not info.status_lost
-                failures[rank] = ProcessFailure(
-                    local_rank=rank,
-                    pid=pid,
-                    exitcode=code,
-                    error_file=self.error_files.get(rank, ""),
-                    timestamp_ns=info.exit_real_ns,
-                    terminated_by_launcher=killed,
-                    # A rank torchmp killed has nothing to say about the failure.
-                    stderr_tail="" if killed else self._stderr_tail(rank),
-                    cause=None if killed else self._death_cause(info, code),
-                )
-                if info.status_lost:
-                    why = self._lost_status_reason(rank)
-                    logger.error("local rank %s (pid %s): %s", rank, pid, why)
-                    if not failures[rank].has_recorded_message:
-                        failures[rank].message = why
+                continue
+            failures[rank] = self._exit_failure(rank, info, code)
+        if not failures:
+            result = RunProcsResult(failures=failures, stdouts=self.stdouts, stderrs=self.stderrs,
+                                    resources=resources)
+            result.return_values = self._return_values()
+            return result
         # torch's order: the ranks that failed by themselves, then those the
         # launcher terminated, each by rank.
         failures = dict(sorted(failures.items(), key=lambda kv: (kv[1].terminated_by_launcher, kv[0])))
-        result = RunProcsResult(
-            failures=failures, stdouts=self.stdouts, stderrs=self.stderrs, resources=resources
-        )
-        if failures:
-            first = failures[root_cause(failures)]
-            if first.terminated_by_launcher:
-                logger.info("%s: every failed rank was terminated by the launcher (close())", self.name)
-            else:
-                logger.error(
-                    "failed (exitcode: %s) local_rank: %s (pid: %s) of %s",
-                    first.exitcode, first.local_rank, first.pid, self.entrypoint,
-                )
+        first = failures[root_cause(failures)]
+        if first.terminated_by_launcher:
+            logger.info("%s: every failed rank was terminated by the launcher (close())", self.name)
         else:
-            result.return_values = self._return_values()
-        return result
+            logger.error(
+                "failed (exitcode: %s) local_rank: %s (pid: %s) of %s",
+                first.exitcode, first.local_rank, first.pid, self.entrypoint,
+            )
+        return RunProcsResult(failures=failures, stdouts=self.stdouts, stderrs=self.stderrs, resources=resources)
 
-    def _usage(self, rank: int, info: _core.ProcInfo) -> ResourceUsage:
-        """An exited rank's ResourceUsage, made once for what the snapshot
-        says of it (a later snapshot that says anything else makes it anew)."""
+    def _abandoned_failure(self, rank: int, pid: int) -> ProcessFailure:
+        failure = ProcessFailure(
+            local_rank=rank, pid=pid, exitcode=-signal.SIGKILL,
+            error_file=self.error_files.get(rank, ""),
+            timestamp_ns=time.time_ns(), terminated_by_launcher=True)
+        if not failure.has_recorded_message:
+            failure.message = (f"did not exit {KILL_GRACE_SECONDS:.1f}s after SIGKILL and was abandoned "
+                               "(uninterruptible sleep?)")
+        return failure
+
+    def _log_write_failed(self, rank: int, info: _core.ProcInfo) -> None:
+        for what, e in (("stdout", info.out_log_errno), ("stderr", info.err_log_errno)):
+            if e:
+                logger.error(
+                    "writing the %s log of local rank %s failed (%s); output after that point "
+                    "is missing from the file", what, rank, os.strerror(e))
+
+    def _exit_failure(self, rank: int, info: _core.ProcInfo, code: int) -> ProcessFailure:
+        """The failure of a rank that exited with a status other than 0."""
+        # A lost status (the forkserver died with its workers) is a
+        # failure of its own, whatever close() sent meanwhile.
+        killed = rank in self._terminated_by_launcher and not info.status_lost
+        failure = ProcessFailure(
+            local_rank=rank,
+            pid=info.pid,
+            exitcode=code,
+            error_file=self.error_files.get(rank, ""),
+            timestamp_ns=info.exit_real_ns,
+            terminated_by_launcher=killed,
+            # A rank torchmp killed has nothing to say about the failure.
+            stderr_tail="" if killed else self._stderr_tail(rank),
+            cause=None if killed else self._death_cause(info, code),
+        )
+        if info.status_lost:
+            why = self._lost_status_reason(rank)
+            logger.error("local rank %s (pid %s): %s", rank, info.pid, why)
+            if not failure.has_recorded_message:
+                failure.message = why
+        return failure
+
+    def _usage(self, rank: int, info: _core.ProcInfo, code: int) -> ResourceUsage:
+        """An exited rank's ResourceUsage (code: its exitcode()), made once
+        for what the snapshot says of it (a later snapshot that says
+        anything else makes it anew)."""
         known = self._usages.get(rank)
         if known is not None and known[0] == info:
             return known[1]
         usage = ResourceUsage(
             pid=info.pid,
-            exitcode=exitcode(info.wait_status),
+            exitcode=code,
             wall_time=(info.exit_mono_ns - info.start_mono_ns) / 1e9,
             user_time=info.utime_ns / 1e9,
             system_time=info.stime_ns / 1e9,
@@ -416,7 +432,7 @@ class _NativeContext(PContext):
         others still run."""
         for rank, info in enumerate(ranks):
             if info.state == _core.PROC_EXITED:
-                self._usage(rank, info)
+                self._usage(rank, info, exitcode(info.wait_status))
 
     def wait(self, timeout: float = -1, period: float = 1) -> RunProcsResult | None:
         """Like torch's ``wait`` but event-driven: it returns as soon as the
