@@ -296,6 +296,8 @@ def test_wait_wakes_its_caller_for_the_deciding_exit_only(tmp_path, kill_on_bad_
     # Once one rank is left (without fail-fast: after the third exit), it
     # looks once more, while that rank runs, and takes in the exits so far:
     # that look keeps the path after the deciding exit warm (docs/profiles.md).
+    # It is the only look then: wait() goes back to sleep on what it saw,
+    # without a _poll that would look again while the last exit may come.
     # (0.4 s: on a loaded machine the ranks' starts spread over 0.2 s, which
     # reordered exits 0.15 s apart.)
     launched = time.monotonic()  # before any rank's clock starts
@@ -304,7 +306,7 @@ def test_wait_wakes_its_caller_for_the_deciding_exit_only(tmp_path, kill_on_bad_
     looks = []
     running_at_looks = []
     finishes = []
-    poll, finish = ctx._poll, ctx._finish
+    poll, take_in, finish = ctx._poll, ctx._take_in, ctx._finish
 
     def counted_poll():
         looks.append(time.monotonic())
@@ -312,11 +314,16 @@ def test_wait_wakes_its_caller_for_the_deciding_exit_only(tmp_path, kill_on_bad_
                                  if info.state == torchmp._core.PROC_RUNNING])
         return poll()
 
+    def counted_take_in(ranks):
+        looks.append(time.monotonic())
+        running_at_looks.append([r for r, info in enumerate(ranks) if info.state == torchmp._core.PROC_RUNNING])
+        return take_in(ranks)
+
     def counted_finish():
         finishes.append(time.monotonic())
         return finish()
 
-    ctx._poll, ctx._finish = counted_poll, counted_finish
+    ctx._poll, ctx._take_in, ctx._finish = counted_poll, counted_take_in, counted_finish
     try:
         t0 = time.monotonic()
         result = ctx.wait(30)

@@ -443,16 +443,18 @@ class _NativeContext(PContext):
             return self._poll()
         deadline = None if timeout < 0 else time.monotonic() + timeout
         group = self._group
+        version: int | None = None
         while True:
-            try:
-                # Read before the poll: an exit recorded after it ends the
-                # sleep below at once.
-                version = group.version()
-            except ValueError:  # closed meanwhile
-                return self._poll()
-            result = self._poll()
-            if result is not None:
-                return result
+            if version is None:
+                try:
+                    # Read before the poll: an exit recorded after it ends the
+                    # sleep below at once.
+                    version = group.version()
+                except ValueError:  # closed meanwhile
+                    return self._poll()
+                result = self._poll()
+                if result is not None:
+                    return result
             if deadline is None:
                 remaining = -1.0
             else:
@@ -463,14 +465,20 @@ class _NativeContext(PContext):
                 # Woken for the exit that decides (the last one, or a failure
                 # under fail-fast), not for each one before it; the core's
                 # word on it saves _poll's snapshot on the way to the result.
-                if group.wait(remaining, version, True, self.kill_on_bad_exit):
+                woken = group.wait(remaining, version, True, self.kill_on_bad_exit)
+                version = None  # (a timeout: one more look before giving up)
+                if woken:
                     if group.decided(self.kill_on_bad_exit):
                         return self._result if self._result is not None else self._finish()
-                    # Once, when one rank is left: take in the others' exits
-                    # while it runs.  The stdlib's launcher reaps each rank as
-                    # it exits, so its path after the last exit is warm; ours
-                    # slept through them and ran cold (docs/profiles.md).
-                    self._take_in(self._snapshot()[1])
+                    if not self._closed:
+                        # Once, when one rank is left: take in the others'
+                        # exits while it runs.  The stdlib's launcher reaps
+                        # each rank as it exits, so its path after the last
+                        # exit is warm; ours slept through them and ran cold
+                        # (docs/profiles.md).  Undecided, so back to sleep
+                        # straight away: the last exit may come any moment.
+                        version, ranks = self._snapshot()
+                        self._take_in(ranks)
             except ValueError:
                 pass  # closed by another thread or a handler: _poll has the result
 
