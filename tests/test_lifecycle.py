@@ -349,6 +349,36 @@ def test_wait_wakes_its_caller_for_the_deciding_exit_only(tmp_path, kill_on_bad_
             assert usage.wall_time == (info.exit_mono_ns - info.start_mono_ns) / 1e9 > 0.3
 
 
+def test_wait_returns_when_its_look_at_one_rank_left_sees_the_last_exit(tmp_path):
+    # When one rank is left, wait() looks at the ranks once and sleeps again
+    # on what it saw.  If the last exit was recorded before that look, the
+    # look is what decides: a sleep would wait for a change that never
+    # comes (here until the timeout).  The look is held back until the last
+    # rank has exited, as a busy machine may do to it.
+    ctx = launch("sh", {0: ("-c", "sleep 0.2"), 1: ("-c", "sleep 0.5")}, log_dir=tmp_path)
+    snapshot = ctx._snapshot
+    held_looks = []
+
+    def late_snapshot():
+        version, ranks = snapshot()
+        if sum(info.state == torchmp._core.PROC_RUNNING for info in ranks) == 1:
+            time.sleep(0.8)
+            version, ranks = snapshot()
+            held_looks.append([info.state == torchmp._core.PROC_RUNNING for info in ranks])
+        return version, ranks
+
+    ctx._snapshot = late_snapshot
+    try:
+        t0 = time.monotonic()
+        result = ctx.wait(10)
+        elapsed = time.monotonic() - t0
+    finally:
+        ctx.close(signal.SIGKILL, 0)
+    assert held_looks == [[False, False]]  # the case itself: the held look saw both exits
+    assert result is not None and not result.failures and sorted(result.resources) == [0, 1]
+    assert elapsed < 5, elapsed
+
+
 def _wait_counting_sleeps(ctx, seen: dict) -> None:
     before = resource.getrusage(resource.RUSAGE_THREAD)
     seen["result"] = ctx.wait(30)

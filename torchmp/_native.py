@@ -475,9 +475,12 @@ class _NativeContext(PContext):
                         # exits while it runs.  The stdlib's launcher reaps
                         # each rank as it exits, so its path after the last
                         # exit is warm; ours slept through them and ran cold
-                        # (docs/profiles.md).  Undecided, so back to sleep
-                        # straight away: the last exit may come any moment.
+                        # (docs/profiles.md).  Then back to sleep on what
+                        # this look saw, unless it saw the deciding exit
+                        # too: nothing would wake that sleep.
                         version, ranks = self._snapshot()
+                        if self._decided(ranks):
+                            return self._result if self._result is not None else self._finish()
                         self._take_in(ranks)
             except ValueError:
                 pass  # closed by another thread or a handler: _poll has the result
