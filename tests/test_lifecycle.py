@@ -286,6 +286,17 @@ def test_wait_is_event_driven_not_period_driven(tmp_path):
     assert elapsed < 1.0 and exit_lag < 0.25
 
 
+def _timed_wait(ctx, timeout):
+    """ctx.wait(timeout), then close ctx (SIGKILL, no grace) whatever
+    happened: (when the wait began, its result, how long it took)."""
+    try:
+        t0 = time.monotonic()
+        result = ctx.wait(timeout)
+        return t0, result, time.monotonic() - t0
+    finally:
+        ctx.close(signal.SIGKILL, 0)
+
+
 @pytest.mark.parametrize("kill_on_bad_exit", [True, False])
 def test_wait_wakes_its_caller_for_the_deciding_exit_only(tmp_path, kill_on_bad_exit):
     # Four ranks exit 0.4 s apart; the second to exit fails.  wait() looks
@@ -324,12 +335,7 @@ def test_wait_wakes_its_caller_for_the_deciding_exit_only(tmp_path, kill_on_bad_
         return finish()
 
     ctx._poll, ctx._take_in, ctx._finish = counted_poll, counted_take_in, counted_finish
-    try:
-        t0 = time.monotonic()
-        result = ctx.wait(30)
-        elapsed = time.monotonic() - t0
-    finally:
-        ctx.close(signal.SIGKILL, 0)
+    t0, result, elapsed = _timed_wait(ctx, 30)
     assert result is not None and list(result.failures) == ([1, 0, 3] if kill_on_bad_exit else [1])
     when = [round(t - t0, 3) for t in looks + finishes]
     assert len(finishes) == 1, when
@@ -368,12 +374,7 @@ def test_wait_returns_when_its_look_at_one_rank_left_sees_the_last_exit(tmp_path
         return version, ranks
 
     ctx._snapshot = late_snapshot
-    try:
-        t0 = time.monotonic()
-        result = ctx.wait(10)
-        elapsed = time.monotonic() - t0
-    finally:
-        ctx.close(signal.SIGKILL, 0)
+    _, result, elapsed = _timed_wait(ctx, 10)
     assert held_looks == [[False, False]]  # the case itself: the held look saw both exits
     assert result is not None and not result.failures and sorted(result.resources) == [0, 1]
     assert elapsed < 5, elapsed
