@@ -370,6 +370,7 @@ class _NativeContext(PContext):
         return RunProcsResult(failures=failures, stdouts=self.stdouts, stderrs=self.stderrs, resources=resources)
 
     def _abandoned_failure(self, rank: int, pid: int) -> ProcessFailure:
+        """The failure of a rank close() gave up on, still running."""
         failure = ProcessFailure(
             local_rank=rank, pid=pid, exitcode=-signal.SIGKILL,
             error_file=self.error_files.get(rank, ""),
@@ -380,6 +381,7 @@ class _NativeContext(PContext):
         return failure
 
     def _log_write_failed(self, rank: int, info: _core.ProcInfo) -> None:
+        """Say which of an exited rank's log files lost output, and why."""
         for what, e in (("stdout", info.out_log_errno), ("stderr", info.err_log_errno)):
             if e:
                 logger.error(
