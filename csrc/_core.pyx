@@ -19,6 +19,9 @@ from posix.unistd cimport getpid, fork, close as c_close, _exit, read as c_read,
 
 from ctorchmp cimport *
 
+cdef extern from "Python.h":
+    bytes PyUnicode_EncodeFSDefault(object text)  # os.fsencode of a str, in C
+
 import os as _os
 
 cdef inline pid_t self_pid() noexcept nogil:
@@ -312,7 +315,9 @@ def read_kept(int slot, path not None):
     ``slot`` (0 or 1) from one call to the next (csrc/cgroupfs.c); None if
     it has more than 4 KiB (read it the plain way).  OSError as open() and
     read() raise it, naming ``path``."""
-    cdef bytes p = _os.fsencode(path)
+    # (os.fsencode's own encoding, without its Python-level call: two reads
+    # of every launch come here.)
+    cdef bytes p = PyUnicode_EncodeFSDefault(path) if type(path) is str else _os.fsencode(path)
     cdef char buf[4096]
     cdef Py_ssize_t n = torchmp_read_kept(slot, p, buf, sizeof(buf))
     cdef int err

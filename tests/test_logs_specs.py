@@ -228,6 +228,10 @@ def test_validate_full_rank_ok():
          "envs: missing local ranks [1]; unexpected keys [1.0, '1'] (expected keys "
          "0..1 for nprocs=2)"),
         ({0: {}}, 0, "envs: unexpected keys [0] (expected no keys for nprocs=0)"),
+        # As many int keys as ranks, but not 0..n-1: the fast path's bounds.
+        ({1: {}, 2: {}}, 2, "envs: missing local ranks [0]; unexpected keys [2] (expected keys 0..1 for nprocs=2)"),
+        ({-1: {}, 0: {}}, 2, "envs: missing local ranks [1]; unexpected keys [-1] (expected keys 0..1 for nprocs=2)"),
+        ({True: {}}, 1, "envs: missing local ranks [0]; unexpected keys [True] (expected keys 0..0 for nprocs=1)"),
         ([{}, {}], 2,
          "envs: expected a dict keyed by local rank (keys 0..1 for nprocs=2), got list"),
     ],

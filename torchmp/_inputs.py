@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterable, Mapping, MutableMapping
-from typing import Any, TypeGuard, cast
+from typing import Any, TypeGuard
 
 
 class RankMappingError(ValueError, RuntimeError):
@@ -44,6 +44,7 @@ def _nonnegative_rank(key: int, what: str) -> int:
 
 
 _ENVIRON_TYPE = type(os.environ)
+_ENVIRONB_TYPE = type(os.environb)  # (the same class, as the type checker sees it for bytes)
 
 
 def getenv(name: str) -> str | None:
@@ -57,12 +58,23 @@ def getenv(name: str) -> str | None:
     return None if raw is None else os.fsdecode(raw)
 
 
+def getenvb(name: bytes) -> bytes | None:
+    """``os.environb.get(name)`` at the cost of a dict lookup (see getenv)."""
+    environb = os.environb
+    if type(environb) is not _ENVIRONB_TYPE:  # replaced by a test or a framework
+        return environb.get(name)
+    return environb._data.get(name)  # type: ignore[attr-defined, no-any-return]
+
+
 def _sort_keys(keys: Iterable[Any]) -> list[Any]:
     # Ints (not bools) first in numeric order, then everything else by repr.
     return sorted(
         keys,
         key=lambda k: (0, k, "") if is_int(k) else (1, 0, f"{type(k).__name__}{k!r}"),
     )
+
+
+_ONLY_INT = {int}  # (bool keys fail this too: True is not rank 1)
 
 
 def validate_full_rank(d: Mapping[int, Any], nprocs: int, what: str) -> None:
@@ -77,9 +89,11 @@ def validate_full_rank(d: Mapping[int, Any], nprocs: int, what: str) -> None:
       ...
     torchmp.logs_specs.RankMappingError: envs: missing local ranks [1]; unexpected keys ['a'] (expected keys 0..1 for nprocs=2)
     """  # noqa: E501 (a doctest: the error message in full)
-    if type(d) is dict and type(nprocs) is int and len(d) == nprocs and all(
-            type(k) is int and 0 <= k < nprocs for k in d):
-        return  # the common case, checked on every launch
+    if type(d) is dict and type(nprocs) is int and len(d) == nprocs and (
+            nprocs == 0 or (set(map(type, d)) == _ONLY_INT and min(d) >= 0 and max(d) < nprocs)):
+        # The common case, checked several times on every launch (without a
+        # generator: n distinct ints in 0..n-1 are exactly the ranks).
+        return
     if not is_int(nprocs):
         raise TypeError(f"nprocs must be an int, got {type(nprocs).__name__} {nprocs!r}")
     if nprocs < 0:
@@ -162,18 +176,19 @@ def check_name(name: object) -> str:
     return name
 
 
-# What os.fsencode uses, read once: encode_env_item runs for every variable
-# of every rank, more than once per launch.
-_FS_ENCODING = sys.getfilesystemencoding()
-_FS_ERRORS = sys.getfilesystemencodeerrors()
+# What os.fsencode uses, read once: ``text.encode(FS_ENCODING, FS_ERRORS)``
+# is os.fsencode(text) for a str, without its Python-level call (these run
+# for every variable and argument of every rank, several times a launch).
+FS_ENCODING = sys.getfilesystemencoding()
+FS_ERRORS = sys.getfilesystemencodeerrors()
 
 
 def encode_env_item(rank: int, key: object, value: object) -> tuple[bytes, bytes]:
     if type(key) is str and type(value) is str:
         # The usual item, encoded as os.fsencode does, without its calls;
         # anything wrong with it is named by the checks below.
-        kb = key.encode(_FS_ENCODING, _FS_ERRORS)
-        vb = value.encode(_FS_ENCODING, _FS_ERRORS)
+        kb = key.encode(FS_ENCODING, FS_ERRORS)
+        vb = value.encode(FS_ENCODING, FS_ERRORS)
         if kb and b"=" not in kb and b"\0" not in kb and b"\0" not in vb:
             return kb, vb
     if isinstance(key, str):
@@ -235,7 +250,7 @@ def normalize_envs(envs: object, nprocs: int) -> dict[int, dict[str, str]]:
         for key, value in env.items():
             encode_env_item(rank, key, value)
     # Validated above; the caller's dict itself (reify mutates it, as torch does).
-    return cast("dict[int, dict[str, str]]", envs)
+    return envs  # type: ignore[return-value]
 
 
 def check_prefixes(prefixes: object, nprocs: int) -> dict[int, str] | None:

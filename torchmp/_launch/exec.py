@@ -16,6 +16,7 @@ from typing import Any
 
 from torchmp import _core
 from torchmp._launch import Launch, worker
+from torchmp._inputs import FS_ENCODING, FS_ERRORS, getenvb
 from torchmp._launch.env import exec_env, launcher_environ
 from torchmp._launch.payload import payload_file
 from torchmp._launch.streams import NO_STREAM, RETURN_CHANNEL, RankStreams
@@ -28,7 +29,8 @@ logger = logging.getLogger("torchmp.api")
 def _exec_search_path(env: Mapping[str, Any]) -> bytes:
     path = env.get("PATH")
     if path is None:
-        return os.environb.get(b"PATH", os.defpath.encode())
+        inherited = getenvb(b"PATH")
+        return os.defpath.encode() if inherited is None else inherited
     return os.fsencode(str(path))
 
 
@@ -40,7 +42,7 @@ def resolve_executable(entrypoint: str, env: Mapping[str, Any] | None = None) ->
     ``FileNotFoundError`` if nothing matches and ``PermissionError`` if the
     only matches cannot be executed (a directory, or no execute permission).
     """
-    name = os.fsencode(entrypoint)
+    name = entrypoint.encode(FS_ENCODING, FS_ERRORS)  # os.fsencode, without its call
     if not name:
         raise FileNotFoundError(errno.ENOENT, "empty command", entrypoint)
     if b"\0" in name:
@@ -101,7 +103,7 @@ class BinaryLaunch(Launch):
     def launch(self, group: _core.Group, streams: Sequence[RankStreams], bindings: Mapping[int, _core.Binding],
                abort: Callable[[], None]) -> None:
         environ = launcher_environ()
-        program = os.fsencode(self.program)
+        program = self.program.encode(FS_ENCODING, FS_ERRORS)
         plans = []
         for rank in range(len(streams)):
             argv = [program] + [a if isinstance(a, bytes) else os.fsencode(str(a)) for a in self.args[rank]]
