@@ -8,8 +8,10 @@ from __future__ import annotations
 import dataclasses
 import doctest
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import typing
 
 import pytest
@@ -428,6 +430,33 @@ def test_default_run_dir_reused_and_attempt_dir_wiped(tmp_path):
     specs.reify(envs_for(1, restart="0"))  # same attempt again: wiped, re-created
     assert os.listdir(os.path.join(run_dir, "attempt_0")) == ["0"]
     assert os.listdir(os.path.join(run_dir, "attempt_0", "0")) == []
+
+
+def test_run_dir_named_and_made_as_mkdtemp_makes_it(tmp_path, monkeypatch):
+    """The run directory: "{run_id}_" and 8 characters of tempfile's
+    alphabet, mode 0o700 (umask aside), a new name while one is taken, and a
+    path as absolute as tempfile.mkdtemp's on this Python."""
+    old = os.umask(0)
+    try:
+        path = logs_specs._make_unique_dir(str(tmp_path), "job_")
+    finally:
+        os.umask(old)
+    name = os.path.basename(path)
+    assert re.fullmatch(r"job_[a-z0-9_]{8}", name), name
+    assert os.stat(path).st_mode & 0o777 == 0o700
+    # The same random bytes twice: the second call's first name is taken.
+    draws = iter([b"\x00" * 8, b"\x00" * 8, b"\x01" * 8])
+    monkeypatch.setattr(os, "urandom", lambda n: next(draws))
+    first = logs_specs._make_unique_dir(str(tmp_path), "r_")
+    second = logs_specs._make_unique_dir(str(tmp_path), "r_")
+    assert os.path.basename(first) == "r_aaaaaaaa" and os.path.basename(second) == "r_bbbbbbbb"
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    os.mkdir("rel")
+    ours = logs_specs._make_unique_dir("rel", "x_")
+    theirs = tempfile.mkdtemp(prefix="x_", dir="rel")
+    assert os.path.isabs(ours) == os.path.isabs(theirs)
+    assert os.path.dirname(ours) == os.path.dirname(theirs)
 
 
 def test_default_local_ranks_filter(tmp_path):

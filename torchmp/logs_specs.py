@@ -40,11 +40,13 @@ both a ``ValueError`` and a ``RuntimeError`` (torch raises ``RuntimeError``); a
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
 import shutil
 import stat
+import sys
 import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
@@ -281,6 +283,33 @@ class LogsSpecs(ABC):
         """The base log directory."""
 
 
+# tempfile's alphabet for the 8 random characters of a name, as a table that
+# maps each random byte to one of them (bytes.translate: no Python loop).
+_NAME_CHARS = b"abcdefghijklmnopqrstuvwxyz0123456789_"
+_NAME_TABLE = bytes(_NAME_CHARS[b % len(_NAME_CHARS)] for b in range(256))
+# tempfile.mkdtemp returns an absolute path from Python 3.12 on.
+_MKDTEMP_ABSOLUTE = sys.version_info >= (3, 12)
+
+
+def _make_unique_dir(base: str, prefix: str) -> str:
+    """``tempfile.mkdtemp(prefix=prefix, dir=base)``: a new directory
+    ``prefix`` + 8 random characters of tempfile's alphabet, mode 0o700, a
+    new name while one exists, the same audit event and the same path
+    returned; without mkdtemp's generic handling of its arguments (str or
+    bytes, defaults, the temp dir: seven Python calls, as long as the mkdir
+    itself, on every launch).  The characters come from os.urandom, so a
+    forked launcher never repeats its parent's names."""
+    for _ in range(tempfile.TMP_MAX):
+        path = os.path.join(base, prefix + os.urandom(8).translate(_NAME_TABLE).decode("ascii"))
+        sys.audit("tempfile.mkdtemp", path)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            continue
+        return os.path.abspath(path) if _MKDTEMP_ABSOLUTE else path
+    raise FileExistsError(errno.EEXIST, "No usable temporary directory name found")
+
+
 def _merge_tee(redirects: dict[int, Std], tee: dict[int, Std]) -> dict[int, Std]:
     # A teed stream is first written to its file, so tee implies redirect.
     return {rank: redirects[rank] | tee[rank] for rank in redirects}
@@ -379,11 +408,12 @@ class DefaultLogsSpecs(LogsSpecs):
     def _make_run_log_dir(self, run_id: str) -> str:
         base = self._root_log_dir or tempfile.mkdtemp(prefix="torchelastic_")
         try:
-            run_dir = tempfile.mkdtemp(prefix=f"{run_id}_", dir=base)
+            run_dir = _make_unique_dir(base, f"{run_id}_")
         except FileNotFoundError:  # log_dir was removed since __init__
             os.makedirs(base, exist_ok=True)
-            run_dir = tempfile.mkdtemp(prefix=f"{run_id}_", dir=base)
-        logger.info("log directory set to: %s", run_dir)
+            run_dir = _make_unique_dir(base, f"{run_id}_")
+        if logger.isEnabledFor(logging.INFO):
+            logger.info("log directory set to: %s", run_dir)
         return run_dir
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
@@ -410,7 +440,6 @@ class DefaultLogsSpecs(LogsSpecs):
 
         redirects = to_map(self._redirects, nprocs)
         tee = to_map(self._tee, nprocs)
-        redirects = _merge_tee(redirects, tee)
         rank_filter = self._local_ranks_filter
 
         stdouts = dict.fromkeys(range(nprocs), _CONSOLE)
@@ -442,7 +471,10 @@ class DefaultLogsSpecs(LogsSpecs):
         if fresh:
             self._run_log_dir = self._make_run_log_dir(run_id)
         assert self._run_log_dir is not None
-        attempt_dir = os.path.join(self._run_log_dir, f"attempt_{restart_count}")
+        # (Joined by hand, here and below, as os.path.join would: the run
+        # directory never ends with a separator, and these names never
+        # start with one.)
+        attempt_dir = self._run_log_dir + os.sep + f"attempt_{restart_count}"
         if fresh:
             os.mkdir(attempt_dir)  # in a directory made just now: nothing to clear
         else:
@@ -458,7 +490,8 @@ class DefaultLogsSpecs(LogsSpecs):
         for rank in range(nprocs):
             rank_dir = prefix + str(rank)
             os.mkdir(rank_dir)
-            redirected, teed = int(redirects[rank]), int(tee[rank])
+            teed = int(tee[rank])
+            redirected = int(redirects[rank]) | teed  # a teed stream is redirected too
             if redirected & out_bit:
                 stdouts[rank] = rank_dir + os.sep + "stdout.log"
             if redirected & err_bit:
@@ -486,8 +519,8 @@ class DefaultLogsSpecs(LogsSpecs):
             tee_stdouts,
             tee_stderrs,
             error_files,
-            os.path.join(attempt_dir, "filtered_stdout.log"),
-            os.path.join(attempt_dir, "filtered_stderr.log"),
+            attempt_dir + os.sep + "filtered_stdout.log",
+            attempt_dir + os.sep + "filtered_stderr.log",
         )
 
     def __repr__(self) -> str:
