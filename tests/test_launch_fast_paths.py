@@ -7,6 +7,7 @@ own; and a first launch makes no descriptor only to throw it away."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from torchmp import _oom, _signals, api
+from torchmp._launch.exec import _exec_search_path, resolve_executable
 
 from helpers import run_launcher
 
@@ -99,6 +101,52 @@ def test_a_replaced_signal_function_is_still_called(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(signal, "signal", lambda sig, handler: calls.append((sig, handler)))
     api._install_signal_handlers()
     assert calls == [(signal.SIGUSR2, _signals.terminate_process_handler)]
+
+
+class _CountingLogger(logging.Logger):
+    def __init__(self, level: int) -> None:
+        super().__init__("counting", level)
+        self.infos: list[tuple[object, ...]] = []
+
+    def info(self, msg: object, *args: object, **kwargs: object) -> None:  # type: ignore[override]
+        self.infos.append((msg, *args))
+
+
+class _InfoOnly:
+    """A logger stand-in with no isEnabledFor: it gets every line."""
+
+    def __init__(self) -> None:
+        self.infos: list[tuple[object, ...]] = []
+
+    def info(self, msg: object, *args: object) -> None:
+        self.infos.append((msg, *args))
+
+
+def test_handler_log_lines_asked_once_of_the_logger(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A logger at INFO gets torch's line per handler; one above INFO is not
+    called for them at all (the level is asked once); a stand-in without
+    isEnabledFor gets them all."""
+    monkeypatch.setattr(signal, "signal", lambda sig, handler: None)  # nothing really installed
+    monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGUSR1,SIGUSR2")
+    lines = [("Registered signal handler for %s", "SIGUSR1"), ("Registered signal handler for %s", "SIGUSR2")]
+    for log, expected in ((_CountingLogger(logging.INFO), lines), (_CountingLogger(logging.WARNING), []),
+                          (_InfoOnly(), lines)):
+        _signals.install_handlers(signal, threading, log)
+        assert log.infos == expected, log
+
+
+def test_the_inherited_path_is_read_as_os_environb_says(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A binary is looked up on the launcher's PATH (read through the
+    environment's own dict), or on os.environb's word where a framework
+    replaced it; os.defpath without one."""
+    (tmp_path / "only-here").write_text("#!/bin/sh\n")
+    (tmp_path / "only-here").chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert resolve_executable("only-here") == os.fsencode(tmp_path / "only-here")
+    monkeypatch.setattr(os, "environb", {b"PATH": os.fsencode(tmp_path)})
+    assert resolve_executable("only-here") == os.fsencode(tmp_path / "only-here")
+    monkeypatch.setattr(os, "environb", {})
+    assert _exec_search_path({}) == os.defpath.encode()
 
 
 def test_a_finished_launch_is_freed_without_a_wake_up_of_its_own(tmp_path: Path) -> None:

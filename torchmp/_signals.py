@@ -297,11 +297,16 @@ def install_handlers(signal_module: Any = signal, threading_module: Any = thread
     install = signal_module.signal
     if install is _STDLIB_SIGNAL:
         install = _c_signal
+    # Asked once, not in each log.info: a disabled INFO (the default) then
+    # costs nothing per signal.  A logger without the method (a stand-in a
+    # test passes) gets every call.
+    enabled = getattr(log, "isEnabledFor", None)
+    log_info = log is not None and (enabled is None or enabled(logging.INFO))
     for sig_name in _handled_signal_names():
         try:
             sig = getattr(signal_module, sig_name)
             install(int(sig) if install is _c_signal else sig, handler)
-            if log is not None:
+            if log_info:
                 log.info("Registered signal handler for %s", sig_name)
         except (AttributeError, ValueError, OSError) as e:
             if log is not None:
