@@ -310,9 +310,10 @@ def _make_unique_dir(base: str, prefix: str) -> str:
     raise FileExistsError(errno.EEXIST, "No usable temporary directory name found")
 
 
-def _merge_tee(redirects: dict[int, Std], tee: dict[int, Std]) -> dict[int, Std]:
+def _merge_tee(redirects: dict[int, Std], tee: dict[int, Std]) -> dict[int, int]:
     # A teed stream is first written to its file, so tee implies redirect.
-    return {rank: redirects[rank] | tee[rank] for rank in redirects}
+    # (As plain ints: Std's operators are Python calls, on every launch.)
+    return {rank: int(redirects[rank]) | int(tee[rank]) for rank in redirects}
 
 
 def _remove_tree(path: str) -> None:
@@ -438,8 +439,8 @@ class DefaultLogsSpecs(LogsSpecs):
         run_id = first_env.get("TORCHELASTIC_RUN_ID", "test_run_id")
         restart_count = first_env.get("TORCHELASTIC_RESTART_COUNT", "0")
 
-        redirects = to_map(self._redirects, nprocs)
         tee = to_map(self._tee, nprocs)
+        redirected_bits = _merge_tee(to_map(self._redirects, nprocs), tee)
         rank_filter = self._local_ranks_filter
 
         stdouts = dict.fromkeys(range(nprocs), _CONSOLE)
@@ -490,8 +491,7 @@ class DefaultLogsSpecs(LogsSpecs):
         for rank in range(nprocs):
             rank_dir = prefix + str(rank)
             os.mkdir(rank_dir)
-            teed = int(tee[rank])
-            redirected = int(redirects[rank]) | teed  # a teed stream is redirected too
+            redirected, teed = redirected_bits[rank], int(tee[rank])
             if redirected & out_bit:
                 stdouts[rank] = rank_dir + os.sep + "stdout.log"
             if redirected & err_bit:
@@ -640,9 +640,8 @@ class LegacyLogsSpecs(LogsSpecs):
         log_dir = str(self._root_log_dir)
         os.makedirs(log_dir, exist_ok=True)
 
-        redirects = to_map(self._redirects, nprocs)
         tee = to_map(self._tee, nprocs)
-        redirects = _merge_tee(redirects, tee)
+        redirected = _merge_tee(to_map(self._redirects, nprocs), tee)
 
         dest = LogsDest(
             stdouts=dict.fromkeys(range(nprocs), _CONSOLE),
@@ -653,9 +652,9 @@ class LegacyLogsSpecs(LogsSpecs):
         for rank in range(nprocs):
             rank_dir = os.path.join(log_dir, str(rank))
             os.mkdir(rank_dir)
-            if redirects[rank] & Std.OUT:
+            if redirected[rank] & Std.OUT:
                 dest.stdouts[rank] = os.path.join(rank_dir, "stdout.log")
-            if redirects[rank] & Std.ERR:
+            if redirected[rank] & Std.ERR:
                 dest.stderrs[rank] = os.path.join(rank_dir, "stderr.log")
             if tee[rank] & Std.OUT:
                 dest.tee_stdouts[rank] = dest.stdouts[rank]
