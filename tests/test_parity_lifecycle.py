@@ -84,6 +84,11 @@ def test_close_timeout_kills_term_ignoring_worker(impl, tmp_path, kind):
 # signals
 # ================================================================================
 
+# How long the driver may take to print READY: it imports the implementation
+# first (torch: 4 s here with CI's other lanes running, more at their
+# peak; a CI run timed out at 30 s) and waits for its rank's interpreter.
+DRIVER_START_SECONDS = 120
+
 SIGNAL_DRIVER = """
     ready = sys.argv[2]
     code = ("import os, sys, time; open(sys.argv[1] + '.tmp', 'w').write(str(os.getpid())); "
@@ -127,7 +132,7 @@ def test_signal_to_launcher_raises_signal_exception(impl, tmp_path, sig):
     ready = tmp_path / "ready"
     proc = popen_driver(impl, tmp_path, SIGNAL_DRIVER, str(tmp_path / "logs"), str(ready))
     try:
-        rank_pid = int(read_line(proc, "READY ").split()[1])
+        rank_pid = int(read_line(proc, "READY ", timeout=DRIVER_START_SECONDS).split()[1])
         assert rank_pid == int(ready.read_text())
         assert pid_alive(rank_pid)
         rank_signals = _signal_dispositions(rank_pid)
