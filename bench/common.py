@@ -121,6 +121,7 @@ def interleave(
     warmup: int = 1,
     on_error: Callable[[str, str], None] | None = None,
     log: Callable[[str], None] | None = None,
+    at_most: dict[str, int] | None = None,
 ) -> dict[str, list[dict[str, float]]]:
     """Run ``trial(impl)`` for every impl, repetitions interleaved.
 
@@ -136,15 +137,19 @@ def interleave(
     cross-CPU wake-ups (torchmp's hand-offs to its I/O thread) stay slow for
     a few more launches.  Without them the impl that follows torch gets a
     slow sample every other round and its median lands between two modes.
+
+    ``at_most`` caps the counted rounds of some impls: the rounds that two
+    runs need to agree on figures a few per cent apart need not be spent on
+    a baseline whose trial takes seconds and whose figure is far from theirs.
     """
     out: dict[str, list[dict[str, float]]] = {i: [] for i in impls}
     dead: set[str] = set()
     quick: dict[str, bool] = {}
     rounds = [(True, r) for r in range(warmup)] + [(False, r) for r in range(reps)]
-    for n, (is_warm, _r) in enumerate(rounds):
+    for n, (is_warm, r) in enumerate(rounds):
         order = impls if n % 2 == 0 else impls[::-1]
         for impl in order:
-            if impl in dead:
+            if impl in dead or (not is_warm and at_most and r >= at_most.get(impl, reps)):
                 continue
             try:
                 for _ in range(PRE_TRIALS if quick.get(impl) else 0):

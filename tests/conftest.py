@@ -27,9 +27,10 @@ from torchmp import _core, _oom
 
 from helpers import fd_target
 
-# Fixtures of the errors and parity suites, none autouse: their modules ask
-# for them (tests/errors_helpers.py, tests/parity_helpers.py).
-pytest_plugins = ["errors_helpers", "parity_helpers"]
+# Fixtures of the errors, parity and bench suites, none autouse: their
+# modules ask for them (tests/errors_helpers.py, tests/parity_helpers.py,
+# tests/bench_helpers.py).
+pytest_plugins = ["errors_helpers", "parity_helpers", "bench_helpers"]
 
 
 def _open_fds() -> set[int]:

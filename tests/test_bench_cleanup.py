@@ -11,24 +11,11 @@ package and skip without it.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
-import pytest
+from bench_helpers import NO_BENCH
 
-REPO = Path(__file__).resolve().parent.parent
-
-pytestmark = pytest.mark.skipif(not (REPO / "bench" / "common.py").is_file(), reason="no bench/ beside tests/")
-
-
-@pytest.fixture
-def bench_common():
-    sys.path.insert(0, str(REPO))
-    try:
-        import bench.common
-        yield bench.common
-    finally:
-        sys.path.remove(str(REPO))
+pytestmark = NO_BENCH
 
 
 def _inodes(root: Path) -> dict[str, int]:

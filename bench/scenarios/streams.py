@@ -37,8 +37,12 @@ from bench.impls import ALL_IMPLS
 RANKS = 4
 LINE = 100
 # (full, quick) rounds: redirect's sub-0.1 s trials need more of them than tee's
-# for two runs to agree within 10 % (bench/README.md, "Noise").
-REPS = {"tee": (3, 2), "teeobject": (3, 2), "redirect": (15, 3)}
+# for two runs to agree within 10 %, its launcher CPU most of all: each trial's
+# is one fresh process's (bench/README.md, "Noise").  torch's trials take
+# seconds each (its import in the launcher, its one-second poll), and its
+# figures are far from the rest: it keeps the rounds redirect had before.
+REPS = {"tee": (3, 2), "teeobject": (3, 2), "redirect": (60, 3)}
+TORCH_REPS = (15, 3)
 PAD = (b"abcdefghijklmnopqrstuvwxyz" * 4)[:81]
 NAME = b"bench"
 
@@ -151,8 +155,10 @@ def _run(ctx, scen: str) -> Result:
             return sample
 
     try:
+        torch_reps = ctx.reps(*TORCH_REPS)
         samples = interleave(impls, ctx.reps(*REPS[scen]), trial, warmup=0,
-                             on_error=lambda i, m: res.error(i, "", m), log=ctx.log)
+                             on_error=lambda i, m: res.error(i, "", m), log=ctx.log,
+                             at_most={"torch": torch_reps, "torch-p01": torch_reps})
     finally:
         retire(datadir)
     record(res, samples)
