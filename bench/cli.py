@@ -17,7 +17,7 @@ import traceback
 from bench import report, scenarios, subject
 from bench.common import REPO_ROOT, Ctx, is_interrupt, set_child_subreaper
 from bench.machine import git_info, log_dir_info, machine_info
-from bench.impls import ALL_IMPLS, TORCH_MODULE, resolve, torchmp_module
+from bench.impls import ALL_IMPLS, DEFAULT_IMPLS, TORCH_MODULE, resolve, torchmp_module
 
 
 def _csv(s: str) -> list[str]:
@@ -34,7 +34,8 @@ def parse(argv):
     p.add_argument("--only", type=_csv, default=None, metavar="SCENARIO[,..]",
                    help=f"scenarios to run (default all: {','.join(scenarios.ORDER)})")
     p.add_argument("--impl", type=_csv, default=None, metavar="IMPL[,..]",
-                   help=f"implementations (default all: {','.join(ALL_IMPLS)})")
+                   help=f"implementations (default: {','.join(DEFAULT_IMPLS)}; also: "
+                        f"{','.join(i for i in ALL_IMPLS if i not in DEFAULT_IMPLS)})")
     p.add_argument("--repeat", type=int, default=None, metavar="N",
                    help="repetitions per measurement (overrides the per-scenario defaults)")
     p.add_argument("--json", default=os.path.join(REPO_ROOT, "docs", "bench.json"), metavar="PATH",
@@ -98,7 +99,7 @@ def main(argv=None) -> int:
         return 0
     only = a.only or scenarios.ORDER
     order = [s for s in scenarios.ORDER if s in only]
-    names = [i for i in ALL_IMPLS if i in (a.impl or ALL_IMPLS)]
+    names = [i for i in ALL_IMPLS if i in (a.impl or DEFAULT_IMPLS)]
     subj = None
     if "torchmp" in names or a.subject:
         # The subject must be there before anything is measured: never a table without it.

@@ -13,6 +13,13 @@ and ``close(timeout)``.
                 as a careful user writes it: files for redirects, one thread per
                 pipe for tee with rank prefixes, exits learnt through
                 ``os.waitid(P_ALL, WNOWAIT)`` and reaped by ``Popen``.
+* ``stdlib-contract`` (opt-in: ``--impl``) the ``stdlib`` launcher doing, with
+                the stdlib's own calls, what torch's API promises beyond a
+                spawn: torch's log layout and error-file path, its four signal
+                handlers, the binary found before anything starts, the fd
+                limit, the OOM-kill baseline, the groups signalled before
+                ``wait()`` returns.  It shows what those promises cost; the
+                targets stay against ``stdlib``.
 * ``floor``     bare ``os.posix_spawn(setsid=True)`` + ``os.pidfd_open`` + one
                 ``epoll`` + ``os.waitpid``: the limit of launch and reap from
                 Python.  For tee it is a single-threaded epoll loop that frames
@@ -23,11 +30,13 @@ from __future__ import annotations
 
 import importlib
 import os
+import resource
 import select
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -35,7 +44,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 OUT, ERR = 1, 2
-ALL_IMPLS = ["torchmp", "stdlib", "floor", "torch", "torch-p01"]
+ALL_IMPLS = ["torchmp", "stdlib", "floor", "torch", "torch-p01", "stdlib-contract"]
+# What a run measures unless --impl says otherwise: stdlib-contract explains a
+# gap (bench/README.md, "What is compared"), it is no baseline of a target.
+DEFAULT_IMPLS = ALL_IMPLS[:5]
 TORCH_MODULE = "torch.distributed.elastic.multiprocessing"
 HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 # The numbers, and the C functions under signal.getsignal/signal.signal: the
@@ -234,14 +246,12 @@ def _pump(pipe, logf, prefix: bytes, console, lock) -> None:
 
 
 class StdlibJob(Job):
+    # Whether a rank's process group is signalled (SIGTERM) just before the
+    # rank is reaped, while its zombie pins the group id: stdlib-contract.
+    signals_group_at_exit = False
+
     def __init__(self, entry, args, envs, log_dir, redirects, tee, name):
-        self.n = len(args)
-        self.procs: dict[int, subprocess.Popen] = {}
-        self.threads: list[threading.Thread] = []
-        self.lock = threading.Lock()
-        self.stdouts: dict[int, str] = {}
-        self.stderrs: dict[int, str] = {}
-        self.consoles = (sys.stdout.buffer, sys.stderr.buffer)
+        self._init_state(len(args))
         base = dict(os.environ)
         try:
             for r in range(self.n):
@@ -251,7 +261,16 @@ class StdlibJob(Job):
             self.close(0)  # careful user: no half-started job left behind
             raise
 
-    def _start_one(self, r, entry, a, env, log_dir, redirects, tee, name):
+    def _init_state(self, n: int) -> None:
+        self.n = n
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.threads: list[threading.Thread] = []
+        self.lock = threading.Lock()
+        self.stdouts: dict[int, str] = {}
+        self.stderrs: dict[int, str] = {}
+        self.consoles = (sys.stdout.buffer, sys.stderr.buffer)
+
+    def _start_one(self, r, entry, a, env, log_dir, redirects, tee, name, dirs_made=False):
         out_path, err_path = _rank_paths(log_dir, r)
         opened = []
         targets = []
@@ -259,7 +278,8 @@ class StdlibJob(Job):
         try:
             for bit, path in ((OUT, out_path), (ERR, err_path)):
                 if (redirects | tee) & bit:
-                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    if not dirs_made:
+                        os.makedirs(os.path.dirname(path), exist_ok=True)
                     f = open(path, "wb")  # noqa: SIM115
                     opened.append(f)
                     (self.stdouts if bit == OUT else self.stderrs)[r] = path
@@ -301,6 +321,11 @@ class StdlibJob(Job):
         r = by_pid.get(info.si_pid) if info is not None else None
         if r is None:  # not one of ours: fall back to in-order Popen.wait
             r = next(iter(running))
+        elif self.signals_group_at_exit:
+            try:
+                os.killpg(info.si_pid, signal.SIGTERM)  # what the rank left in its group
+            except ProcessLookupError:
+                pass
         running[r].wait()
         return r
 
@@ -352,6 +377,125 @@ class StdlibJob(Job):
         for t in self.threads:
             t.join(5.0)
         self._flush()
+
+
+class StdlibContractImpl(StdlibImpl):
+    name = "stdlib-contract"
+    function = False  # (torch's promises are priced on binaries)
+    start_function = Impl.start_function
+
+    def start_binary(self, entry, args, envs, log_dir, redirects=0, tee=0, name="bench") -> Job:
+        return StdlibContractJob(entry, args, envs, log_dir, redirects, tee, name)
+
+
+def _signal_exit(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+class _OomCounter:
+    """The launcher's memory cgroup's OOM-kill counter, read through kept
+    descriptors as torchmp does: /proc/self/cgroup read again each launch (a
+    launcher can be moved), the counter file opened once per cgroup."""
+
+    def __init__(self):
+        self.cgroup_fd = os.open("/proc/self/cgroup", os.O_RDONLY | os.O_CLOEXEC)
+        self.path = None
+        self.fd = -1
+
+    def read(self) -> int | None:
+        text = os.pread(self.cgroup_fd, 4096, 0).decode()
+        path = None
+        for line in text.splitlines():
+            _, controllers, rel = line.split(":", 2)
+            if "memory" in controllers.split(","):
+                path = f"/sys/fs/cgroup/memory{rel.rstrip('/')}/memory.oom_control"
+            elif controllers == "" and path is None:
+                path = f"/sys/fs/cgroup{rel.rstrip('/')}/memory.events"
+        if path != self.path:
+            if self.fd >= 0:
+                os.close(self.fd)
+            self.path, self.fd = path, -1
+            try:
+                self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC) if path else -1
+            except OSError:
+                self.fd = -1
+        if self.fd < 0:
+            return None
+        for line in os.pread(self.fd, 4096, 0).split(b"\n"):
+            if line.startswith(b"oom_kill "):
+                return int(line.split()[1])
+        return None
+
+    def close(self) -> None:
+        for fd in (self.cgroup_fd, self.fd):
+            if fd >= 0:
+                os.close(fd)
+        self.cgroup_fd = self.fd = -1
+
+
+_oom_counter: _OomCounter | None = None
+
+
+class StdlibContractJob(StdlibJob):
+    """StdlibJob plus what torch's API promises beyond the spawn, each done the
+    cheapest way the stdlib allows (the fast signal calls, kept descriptors):
+
+    * the binary is found, and the fd limit read (raised if the ranks need
+      it), before any directory or process is made;
+    * the OOM-kill counter's baseline (what names a rank's OOM kill later);
+    * torch's layout: ``{log_dir}/{name}_<random>/attempt_0/{rank}/``, with
+      ``TORCHELASTIC_ERROR_FILE`` in each rank's environment and the logs
+      beside it;
+    * torch's four signal handlers, on the main thread, put back at close;
+    * each rank's process group signalled (SIGTERM) while its zombie still
+      pins the group id, just before it is reaped, as torch's ``wait()``
+      closes the context before it returns.
+    """
+
+    signals_group_at_exit = True
+
+    def __init__(self, entry, args, envs, log_dir, redirects, tee, name):
+        global _oom_counter
+        self._init_state(len(args))
+        self.saved_handlers = None
+        if os.sep in entry:
+            if not os.access(entry, os.X_OK):
+                raise FileNotFoundError(f"{entry} is not an executable file")
+        elif shutil.which(entry) is None:
+            raise FileNotFoundError(f"{entry} not found in PATH")
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        need = 64 + 5 * self.n
+        if soft != resource.RLIM_INFINITY and soft < need and (hard == resource.RLIM_INFINITY or need <= hard):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+        if _oom_counter is None:
+            _oom_counter = _OomCounter()
+        self.oom_kills_before = _oom_counter.read()
+        if not os.path.isdir(log_dir):  # (torch's DefaultLogsSpecs makes it)
+            os.makedirs(log_dir)
+        attempt = os.path.join(tempfile.mkdtemp(prefix=f"{name}_", dir=log_dir), "attempt_0")
+        os.mkdir(attempt)
+        if threading.current_thread() is threading.main_thread():
+            self.saved_handlers = {num: _c_signal(num, _signal_exit) for num in _HANDLED_NUMBERS.values()}
+        base = dict(os.environ)
+        try:
+            for r in range(self.n):
+                rank_dir = os.path.join(attempt, str(r))
+                os.mkdir(rank_dir)
+                env = {**base, **{k: str(v) for k, v in envs[r].items()},
+                       "TORCHELASTIC_ERROR_FILE": os.path.join(rank_dir, "error.json")}
+                self._start_one(r, entry, args[r], env, attempt, redirects, tee, name, dirs_made=True)
+        except BaseException:
+            self.close(0)
+            raise
+
+    def close(self, timeout=30.0):
+        try:
+            super().close(timeout)
+        finally:
+            saved, self.saved_handlers = self.saved_handlers, None
+            for num, handler in (saved or {}).items():
+                if handler is not None:
+                    _c_signal(num, handler)
 
 
 class MpJob(Job):
@@ -611,6 +755,8 @@ def make(name: str) -> Impl:
         return StdlibImpl()
     if name == "floor":
         return FloorImpl()
+    if name == "stdlib-contract":
+        return StdlibContractImpl()
     raise ValueError(f"unknown impl {name!r} (known: {', '.join(ALL_IMPLS)})")
 
 

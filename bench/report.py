@@ -202,7 +202,7 @@ def fspread(vals: list[float] | None) -> str:
 
 
 def table(results: dict[str, Result], impls: list[str], unavailable: dict[str, str]) -> str:
-    w0, w = 30, 14
+    w0, w = 30, max([14] + [len(i) + 2 for i in impls])
     lines = []
     for res in results.values():
         lines.append("")
@@ -334,7 +334,8 @@ PANELS = [
     ("agent", ["async_rate"], "agent: 256 x true, 32 in flight (launch/s)", False),
     ("agent", ["cold_wall", "cold_cpu"], "agent: fresh python, import + one run (ms)", False),
 ]
-COLORS = {"torchmp": "#d62728", "stdlib": "#1f77b4", "floor": "#7f7f7f", "torch": "#ff7f0e", "torch-p01": "#bcbd22"}
+COLORS = {"torchmp": "#d62728", "stdlib": "#1f77b4", "floor": "#7f7f7f", "torch": "#ff7f0e", "torch-p01": "#bcbd22",
+          "stdlib-contract": "#17becf"}
 
 
 def chart(path: str, results: dict[str, Result], impls: list[str], subtitle: str) -> str | None:
