@@ -20,6 +20,9 @@ and ``close(timeout)``.
                 limit, the OOM-kill baseline, the groups signalled before
                 ``wait()`` returns.  It shows what those promises cost; the
                 targets stay against ``stdlib``.
+* ``floor-contract`` (opt-in) the ``floor`` launcher keeping the same
+                promises the same way: the least a pidfd launcher that keeps
+                torch's promises can cost from Python.
 * ``floor``     bare ``os.posix_spawn(setsid=True)`` + ``os.pidfd_open`` + one
                 ``epoll`` + ``os.waitpid``: the limit of launch and reap from
                 Python.  For tee it is a single-threaded epoll loop that frames
@@ -44,9 +47,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 OUT, ERR = 1, 2
-ALL_IMPLS = ["torchmp", "stdlib", "floor", "torch", "torch-p01", "stdlib-contract"]
-# What a run measures unless --impl says otherwise: stdlib-contract explains a
-# gap (bench/README.md, "What is compared"), it is no baseline of a target.
+ALL_IMPLS = ["torchmp", "stdlib", "floor", "torch", "torch-p01", "stdlib-contract", "floor-contract"]
+# What a run measures unless --impl says otherwise: the -contract launchers
+# explain a gap (bench/README.md, "What is compared"), they are no baseline
+# of a target.
 DEFAULT_IMPLS = ALL_IMPLS[:5]
 TORCH_MODULE = "torch.distributed.elastic.multiprocessing"
 HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
@@ -436,9 +440,10 @@ class _OomCounter:
 _oom_counter: _OomCounter | None = None
 
 
-class StdlibContractJob(StdlibJob):
-    """StdlibJob plus what torch's API promises beyond the spawn, each done the
-    cheapest way the stdlib allows (the fast signal calls, kept descriptors):
+class _TorchPromises:
+    """What torch's API promises beyond the spawn, kept the cheapest way the
+    stdlib allows (the fast signal calls, kept descriptors), for the
+    ``-contract`` launchers:
 
     * the binary is found, and the fd limit read (raised if the ranks need
       it), before any directory or process is made;
@@ -446,25 +451,23 @@ class StdlibContractJob(StdlibJob):
     * torch's layout: ``{log_dir}/{name}_<random>/attempt_0/{rank}/``, with
       ``TORCHELASTIC_ERROR_FILE`` in each rank's environment and the logs
       beside it;
-    * torch's four signal handlers, on the main thread, put back at close;
-    * each rank's process group signalled (SIGTERM) while its zombie still
-      pins the group id, just before it is reaped, as torch's ``wait()``
-      closes the context before it returns.
+    * torch's four signal handlers, on the main thread, put back at close.
+
+    (The last promise, each rank's process group signalled while its zombie
+    still pins the group id, is the job's: ``signals_group_at_exit``.)
     """
 
-    signals_group_at_exit = True
-
-    def __init__(self, entry, args, envs, log_dir, redirects, tee, name):
+    def __init__(self, entry: str, envs: dict[int, dict[str, str]], log_dir: str, name: str) -> None:
         global _oom_counter
-        self._init_state(len(args))
-        self.saved_handlers = None
+        self.saved_handlers: dict[int, Any] | None = None
+        n = len(envs)
         if os.sep in entry:
             if not os.access(entry, os.X_OK):
                 raise FileNotFoundError(f"{entry} is not an executable file")
         elif shutil.which(entry) is None:
             raise FileNotFoundError(f"{entry} not found in PATH")
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        need = 64 + 5 * self.n
+        need = 64 + 5 * n
         if soft != resource.RLIM_INFINITY and soft < need and (hard == resource.RLIM_INFINITY or need <= hard):
             resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
         if _oom_counter is None:
@@ -472,30 +475,55 @@ class StdlibContractJob(StdlibJob):
         self.oom_kills_before = _oom_counter.read()
         if not os.path.isdir(log_dir):  # (torch's DefaultLogsSpecs makes it)
             os.makedirs(log_dir)
-        attempt = os.path.join(tempfile.mkdtemp(prefix=f"{name}_", dir=log_dir), "attempt_0")
-        os.mkdir(attempt)
+        self.attempt = os.path.join(tempfile.mkdtemp(prefix=f"{name}_", dir=log_dir), "attempt_0")
+        os.mkdir(self.attempt)
         if threading.current_thread() is threading.main_thread():
             self.saved_handlers = {num: _c_signal(num, _signal_exit) for num in _HANDLED_NUMBERS.values()}
-        base = dict(os.environ)
-        try:
-            for r in range(self.n):
-                rank_dir = os.path.join(attempt, str(r))
-                os.mkdir(rank_dir)
-                env = {**base, **{k: str(v) for k, v in envs[r].items()},
-                       "TORCHELASTIC_ERROR_FILE": os.path.join(rank_dir, "error.json")}
-                self._start_one(r, entry, args[r], env, attempt, redirects, tee, name, dirs_made=True)
-        except BaseException:
-            self.close(0)
-            raise
+
+    def rank_env(self, rank: int, env: dict[str, str]) -> dict[str, str]:
+        """Make rank's directory; env with its error file's path."""
+        rank_dir = os.path.join(self.attempt, str(rank))
+        os.mkdir(rank_dir)
+        return {**env, "TORCHELASTIC_ERROR_FILE": os.path.join(rank_dir, "error.json")}
+
+    def put_back(self) -> None:
+        """The handlers as they were before."""
+        saved, self.saved_handlers = self.saved_handlers, None
+        for num, handler in (saved or {}).items():
+            if handler is not None:
+                _c_signal(num, handler)
+
+
+class _PromisesKept:
+    """What the ``-contract`` jobs add to their launcher's: each rank's
+    process group signalled (SIGTERM) just before the rank is reaped, as
+    torch's ``wait()`` closes the context before it returns, and torch's
+    handlers put back at ``close()``."""
+
+    promises: _TorchPromises
+    signals_group_at_exit = True
 
     def close(self, timeout=30.0):
         try:
-            super().close(timeout)
+            super().close(timeout)  # type: ignore[misc]
         finally:
-            saved, self.saved_handlers = self.saved_handlers, None
-            for num, handler in (saved or {}).items():
-                if handler is not None:
-                    _c_signal(num, handler)
+            self.promises.put_back()
+
+
+class StdlibContractJob(_PromisesKept, StdlibJob):
+    """StdlibJob keeping torch's promises."""
+
+    def __init__(self, entry, args, envs, log_dir, redirects, tee, name):
+        self._init_state(len(args))
+        self.promises = _TorchPromises(entry, envs, log_dir, name)
+        base = dict(os.environ)
+        try:
+            for r in range(self.n):
+                env = self.promises.rank_env(r, {**base, **{k: str(v) for k, v in envs[r].items()}})
+                self._start_one(r, entry, args[r], env, self.promises.attempt, redirects, tee, name, dirs_made=True)
+        except BaseException:
+            self.close(0)
+            raise
 
 
 class MpJob(Job):
@@ -585,6 +613,10 @@ class FloorImpl(Impl):
 
 
 class FloorJob(Job):
+    # Whether a rank's process group is signalled (SIGTERM) just before the
+    # rank is reaped, while its zombie pins the group id: floor-contract.
+    signals_group_at_exit = False
+
     def __init__(self, entry, args, envs, log_dir, redirects, tee, name):
         self.n = len(args)
         self.ep = select.epoll()
@@ -644,6 +676,11 @@ class FloorJob(Job):
             if r is not None:
                 self.ep.unregister(fd)
                 os.close(fd)
+                if self.signals_group_at_exit:
+                    try:
+                        os.killpg(self.pid[r], signal.SIGTERM)  # what the rank left in its group
+                    except ProcessLookupError:
+                        pass
                 _, st = os.waitpid(self.pid[r], 0)
                 self.status[r] = os.waitstatus_to_exitcode(st)
                 continue
@@ -737,6 +774,26 @@ class FloorJob(Job):
             pass
 
 
+class FloorContractImpl(FloorImpl):
+    name = "floor-contract"
+
+    def start_binary(self, entry, args, envs, log_dir, redirects=0, tee=0, name="bench") -> Job:
+        return FloorContractJob(entry, args, envs, log_dir, redirects, tee, name)
+
+
+class FloorContractJob(_PromisesKept, FloorJob):
+    """FloorJob keeping torch's promises."""
+
+    def __init__(self, entry, args, envs, log_dir, redirects, tee, name):
+        self.promises = _TorchPromises(entry, envs, log_dir, name)
+        try:
+            envs = {r: self.promises.rank_env(r, envs[r]) for r in range(len(args))}
+            super().__init__(entry, args, envs, self.promises.attempt, redirects, tee, name)
+        except BaseException:
+            self.promises.put_back()  # (again, if the floor's own clean-up did: no harm)
+            raise
+
+
 # --------------------------------------------------------------------------- registry
 
 
@@ -757,6 +814,8 @@ def make(name: str) -> Impl:
         return FloorImpl()
     if name == "stdlib-contract":
         return StdlibContractImpl()
+    if name == "floor-contract":
+        return FloorContractImpl()
     raise ValueError(f"unknown impl {name!r} (known: {', '.join(ALL_IMPLS)})")
 
 

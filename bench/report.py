@@ -335,7 +335,7 @@ PANELS = [
     ("agent", ["cold_wall", "cold_cpu"], "agent: fresh python, import + one run (ms)", False),
 ]
 COLORS = {"torchmp": "#d62728", "stdlib": "#1f77b4", "floor": "#7f7f7f", "torch": "#ff7f0e", "torch-p01": "#bcbd22",
-          "stdlib-contract": "#17becf"}
+          "stdlib-contract": "#17becf", "floor-contract": "#9467bd"}
 
 
 def chart(path: str, results: dict[str, Result], impls: list[str], subtitle: str) -> str | None:

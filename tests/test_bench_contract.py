@@ -1,8 +1,9 @@
-"""The bench's ``stdlib-contract`` launcher (issue 22): the careful stdlib
-launcher doing, with the stdlib's own calls, what torch's API promises beyond
-the spawn, so that a run can show what those promises cost beside the
-``stdlib`` column.  It is measured only when ``--impl`` names it.  These
-tests need the repository's bench/ package and skip without it."""
+"""The bench's ``-contract`` launchers (issue 22): the careful stdlib
+launcher (``stdlib-contract``) and the floor (``floor-contract``) doing,
+with the stdlib's own calls, what torch's API promises beyond the spawn, so
+that a run can show what those promises cost beside the ``stdlib`` and
+``floor`` columns.  They are measured only when ``--impl`` names them.
+These tests need the repository's bench/ package and skip without it."""
 from __future__ import annotations
 
 import os
@@ -15,6 +16,8 @@ import pytest
 from bench_helpers import NO_BENCH
 
 pytestmark = NO_BENCH
+
+CONTRACT_IMPLS = ["stdlib-contract", "floor-contract"]
 
 
 @pytest.fixture(autouse=True)
@@ -43,15 +46,19 @@ def _gone(pid: int) -> bool:
     return False
 
 
-def test_it_is_measured_only_when_named(bench_impls):
-    assert "stdlib-contract" in bench_impls.ALL_IMPLS
-    assert "stdlib-contract" not in bench_impls.DEFAULT_IMPLS
+@pytest.mark.parametrize("name", CONTRACT_IMPLS)
+def test_it_is_measured_only_when_named(bench_impls, name):
+    assert name in bench_impls.ALL_IMPLS
+    assert name not in bench_impls.DEFAULT_IMPLS
     assert bench_impls.DEFAULT_IMPLS == ["torchmp", "stdlib", "floor", "torch", "torch-p01"]
-    assert bench_impls.make("stdlib-contract").check() is None
+    impl = bench_impls.make(name)
+    assert impl.name == name
+    assert impl.check() is None
 
 
-def test_a_missing_binary_fails_before_anything_is_made(bench_impls, tmp_path):
-    impl = bench_impls.make("stdlib-contract")
+@pytest.mark.parametrize("name", CONTRACT_IMPLS)
+def test_a_missing_binary_fails_before_anything_is_made(bench_impls, tmp_path, name):
+    impl = bench_impls.make(name)
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(FileNotFoundError, match="torchmp-no-such-binary"):
         impl.start_binary("torchmp-no-such-binary", {0: ()}, {0: {}}, str(tmp_path))
@@ -63,8 +70,25 @@ def test_a_missing_binary_fails_before_anything_is_made(bench_impls, tmp_path):
         os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
 
 
-def test_it_lays_out_torchs_directories_and_error_file(bench_impls, tmp_path):
-    impl = bench_impls.make("stdlib-contract")
+@pytest.mark.parametrize("name", CONTRACT_IMPLS)
+def test_a_spawn_that_fails_puts_the_handlers_back(bench_impls, tmp_path, name):
+    """Found and executable, but no program: the exec fails after the
+    handlers are in, and they are put back; no child is left."""
+    impl = bench_impls.make(name)
+    bogus = tmp_path / "bogus"
+    bogus.write_bytes(b"\x00\x01 not a program\n")
+    bogus.chmod(0o755)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(OSError):
+        impl.start_binary(str(bogus), {0: ()}, {0: {}}, str(tmp_path / "logs"))
+    assert signal.getsignal(signal.SIGTERM) is before
+    with pytest.raises(ChildProcessError):
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+
+
+@pytest.mark.parametrize("name", CONTRACT_IMPLS)
+def test_it_lays_out_torchs_directories_and_error_file(bench_impls, tmp_path, name):
+    impl = bench_impls.make(name)
     log_dir = tmp_path / "logs"  # made as torch's DefaultLogsSpecs makes it
     job = impl.start_binary("/bin/sh", {0: ("-c", 'printf "%s" "$TORCHELASTIC_ERROR_FILE"'), 1: ("-c", "exit 0")},
                             {0: {}, 1: {}}, str(log_dir), redirects=1, name="lay")
@@ -82,8 +106,9 @@ def test_it_lays_out_torchs_directories_and_error_file(bench_impls, tmp_path):
     assert (attempt / "1" / "stdout.log").read_bytes() == b""
 
 
-def test_its_handlers_are_torchs_four_and_are_put_back_at_close(bench_impls, tmp_path):
-    impl = bench_impls.make("stdlib-contract")
+@pytest.mark.parametrize("name", CONTRACT_IMPLS)
+def test_its_handlers_are_torchs_four_and_are_put_back_at_close(bench_impls, tmp_path, name):
+    impl = bench_impls.make(name)
     names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
     before = {n: signal.getsignal(getattr(signal, n)) for n in names}
     job = impl.start_binary("/bin/true", {0: ()}, {0: {}}, str(tmp_path))
@@ -96,8 +121,9 @@ def test_its_handlers_are_torchs_four_and_are_put_back_at_close(bench_impls, tmp
     assert {n: signal.getsignal(getattr(signal, n)) for n in names} == before
 
 
-def test_wait_signals_what_a_rank_left_in_its_group(bench_impls, tmp_path):
-    impl = bench_impls.make("stdlib-contract")
+@pytest.mark.parametrize("name", CONTRACT_IMPLS)
+def test_wait_signals_what_a_rank_left_in_its_group(bench_impls, tmp_path, name):
+    impl = bench_impls.make(name)
     job = impl.start_binary("/bin/sh", {0: ("-c", "sleep 30 & echo $!; exit 0")}, {0: {}}, str(tmp_path),
                             redirects=1)
     stray = None
