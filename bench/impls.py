@@ -451,10 +451,11 @@ class _TorchPromises:
     * torch's layout: ``{log_dir}/{name}_<random>/attempt_0/{rank}/``, with
       ``TORCHELASTIC_ERROR_FILE`` in each rank's environment and the logs
       beside it;
-    * torch's four signal handlers, on the main thread, put back at close.
+    * torch's four signal handlers, on the main thread (``put_back``
+      restores the ones before).
 
     (The last promise, each rank's process group signalled while its zombie
-    still pins the group id, is the job's: ``signals_group_at_exit``.)
+    still pins the group id, is the job's: ``_PromisesKept``.)
     """
 
     def __init__(self, entry: str, envs: dict[int, dict[str, str]], log_dir: str, name: str) -> None:
