@@ -423,11 +423,17 @@ def test_a_wait_for_the_deciding_exit_is_woken_once_when_one_rank_is_left(tmp_pa
     # The core's side of the look above, on either backend: a wait begun
     # with more than one rank running returns when one is left, undecided;
     # a wait begun with one left sleeps until that rank's exit decides.
-    ctx = launch("sleep", {0: ("1",), 1: ("1",), 2: ("30",)}, log_dir=tmp_path)
+    # Ranks 0 and 1 exit 0 once the test makes the file `go`, not after a
+    # fixed time: under a sanitizer with lanes beside it, a launch can take
+    # longer than any sleep short enough for a unit test.
+    go = tmp_path / "go"
+    until_go = ("-c", f"while ! [ -e '{go}' ]; do sleep 0.02; done")
+    ctx = launch("sh", {0: until_go, 1: until_go, 2: ("-c", "exec sleep 30")}, log_dir=tmp_path / "logs")
     try:
         group = ctx._group
         version, ranks = group.snapshot()
-        assert [info.state for info in ranks] == [torchmp._core.PROC_RUNNING] * 3  # (1 s to get here)
+        assert [info.state for info in ranks] == [torchmp._core.PROC_RUNNING] * 3
+        go.touch()
         assert group.wait(20, version, True, True) is True
         assert not group.decided(True)
         version, ranks = group.snapshot()
