@@ -473,3 +473,42 @@ def interrupt_once_started(code, seen: dict[str, int]):
         return in_frame
 
     return lambda frame, event, arg: in_frame if frame.f_code is code else None
+
+
+def stale_look_after_sigkill(monkeypatch, waits_here: bool) -> dict[str, float]:
+    """Make a command's shutdown race its own SIGKILL: the policy's first
+    look after the SIGKILL says the leader still runs, answered once the
+    leader is dead (and, unless the command is waited for in the calling
+    thread, once its exit is recorded) -- what a look preempted just before
+    the exit answers on a loaded machine.  Returns when that stale answer
+    was given ("stale") and when the policy looked again ("next")."""
+    from torchmp import _core
+    from torchmp._launch import command as _command
+
+    seen: dict[str, float] = {}
+    real_killpg, real_running = _command._Command.killpg, _command._Command.running
+
+    def killpg(self, sig: int) -> None:
+        real_killpg(self, sig)
+        if sig == signal.SIGKILL:
+            seen.setdefault("killed", time.monotonic())
+
+    def running(self) -> bool:
+        if "killed" not in seen or "next" in seen:
+            return real_running(self)
+        if "stale" in seen:
+            seen["next"] = time.monotonic()
+            return real_running(self)
+        deadline = time.monotonic() + 10
+        pid = self._cmd.pid
+        while time.monotonic() < deadline:
+            dead = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None
+            if dead and (waits_here or self._cmd.state & _core.CMD_EXITED):
+                break
+            time.sleep(0.001)
+        seen["stale"] = time.monotonic()
+        return True
+
+    monkeypatch.setattr(_command._Command, "killpg", killpg)
+    monkeypatch.setattr(_command._Command, "running", running)
+    return seen

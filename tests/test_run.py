@@ -23,7 +23,7 @@ from torchmp import _core
 from torchmp._launch.command import DRAIN_SECONDS, GRACE_SECONDS
 
 from helpers import (Launchers, fd_target, interrupt_once_started, kill_groups, pid_alive, read_pids, run_launcher,
-                     tagged, wait_gone)
+                     stale_look_after_sigkill, tagged, wait_gone)
 
 PY = sys.executable
 # Under load (CI runs two suites side by side) a fork+exec can take a while:
@@ -248,6 +248,27 @@ def test_timeout_stops_the_whole_group_and_keeps_the_output(tmp_path):
         assert wait_gone(pids, 1) == []
     finally:
         kill_groups(pids)
+
+
+def test_a_leader_gone_right_after_the_sigkill_is_not_waited_for(tmp_path, monkeypatch):
+    # The policy looks (the leader still runs), then waits for its exit;
+    # if the SIGKILL's exit came in between, the wait must return at once,
+    # not sleep out the kill grace (5 s).  Seen under load: a timeout of
+    # 2 s took 8 s.  The race is made here: the first look after the
+    # SIGKILL answers as if it came just before the exit.
+    from torchmp import _run
+
+    seen = stale_look_after_sigkill(monkeypatch, _run._waits_here())
+    pidfile = tmp_path / "pid"
+    with pytest.raises(subprocess.TimeoutExpired):
+        torchmp.run(["sh", "-c", f"trap '' TERM; echo $$ > {pidfile}; exec sleep 30"], timeout=TIMEOUT_AFTER_START)
+    (pid,) = read_pids(pidfile, 1)
+    try:
+        assert "stale" in seen and "next" in seen, seen
+        assert seen["next"] - seen["stale"] < 1.0, seen
+        assert wait_gone([pid], 1) == []
+    finally:
+        kill_groups([pid])
 
 
 def test_timeout_escalates_to_sigkill_within_the_grace(tmp_path):

@@ -22,7 +22,8 @@ import torchmp
 from torchmp import DefaultLogsSpecs, Std, _aio
 from torchmp._launch.command import GRACE_SECONDS
 
-from helpers import interrupt_once_started, kill_groups, launch, pid_alive, read_pids, wait_gone
+from helpers import (interrupt_once_started, kill_groups, launch, pid_alive, read_pids, stale_look_after_sigkill,
+                     wait_gone)
 
 PY = sys.executable
 SLACK = 2.0
@@ -181,6 +182,27 @@ def test_timeout_stops_the_whole_group(arun, tmp_path):
         assert wait_gone(pids, 1) == []
     finally:
         kill_groups(pids)
+
+
+def test_a_leader_gone_right_after_the_sigkill_is_not_waited_for(arun, tmp_path, monkeypatch):
+    # run_async's side of test_run's test of the same name: the I/O thread
+    # records the exit while the policy is between its look and its wait.
+    seen = stale_look_after_sigkill(monkeypatch, False)
+    pidfile = tmp_path / "pid"
+
+    async def main():
+        with pytest.raises(subprocess.TimeoutExpired):
+            await torchmp.run_async(["sh", "-c", f"trap '' TERM; echo $$ > {pidfile}; exec sleep 30"],
+                                    timeout=TIMEOUT_AFTER_START)
+
+    arun(main())
+    (pid,) = read_pids(pidfile, 1)
+    try:
+        assert "stale" in seen and "next" in seen, seen
+        assert seen["next"] - seen["stale"] < 1.0, seen
+        assert wait_gone([pid], 1) == []
+    finally:
+        kill_groups([pid])
 
 
 def test_a_grandchild_holding_the_pipe_does_not_hold_back_the_result(arun, tmp_path):

@@ -381,12 +381,16 @@ async def drive_group(steps: Generator[tuple[float, int], None, bool], group: _c
 async def drive_command(steps: Generator[tuple[float, int], None, bool], waiter: CommandWaiter) -> bool:
     """Drive the shutdown policy for one watched command."""
     try:
-        seconds, _version = next(steps)
+        seconds, version = next(steps)
         while True:
-            if waiter.cmd.state & _core.CMD_EXITED:
-                await waiter.watch.sleep(seconds)  # a group emptying has no event
-            else:
-                await waiter.until(_core.CMD_EXITED, seconds)
-            seconds, _version = steps.send(None)
+            exited = waiter.cmd.state & _core.CMD_EXITED
+            # (A leader that exited after the policy looked: look again now;
+            # see _command.wait_blocking.)
+            if exited == version:
+                if exited:
+                    await waiter.watch.sleep(seconds)  # a group emptying has no event
+                else:
+                    await waiter.until(_core.CMD_EXITED, seconds)
+            seconds, version = steps.send(None)
     except StopIteration as done:
         return bool(done.value)

@@ -303,9 +303,15 @@ def stop_steps(cmd: _core.Command, death_sig: int = signal.SIGTERM,
 
 
 def wait_blocking(cmd: _core.Command, seconds: float, version: int) -> None:
-    """One wait of the policy, in the calling thread."""
-    if cmd.state & _core.CMD_EXITED:
-        time.sleep(seconds)
+    """One wait of the policy, in the calling thread: until the version
+    moves or the seconds pass."""
+    exited = cmd.state & _core.CMD_EXITED
+    if exited != version:
+        # The leader exited after the policy looked (a signal it just sent
+        # is often that quick): look again now, not after the whole wait.
+        return
+    if exited:
+        time.sleep(seconds)  # a group emptying has no event
     else:
         cmd.wait(seconds, _core.UNTIL_EXITED)
 
