@@ -476,12 +476,15 @@ def interrupt_once_started(code, seen: dict[str, int]):
 
 
 def stale_look_after_sigkill(monkeypatch, waits_here: bool) -> dict[str, float]:
-    """Make a command's shutdown race its own SIGKILL: the policy's first
-    look after the SIGKILL says the leader still runs, answered once the
+    """Make a command's shutdown race its own SIGKILL: the SIGKILL goes out
+    from inside the policy's first look after it, once that look has seen
+    the leader running, and the look answers "running" only once the
     leader is dead (and, unless the command is waited for in the calling
-    thread, once its exit is recorded) -- what a look preempted just before
-    the exit answers on a loaded machine.  Returns when that stale answer
-    was given ("stale") and when the policy looked again ("next")."""
+    thread, its exit recorded) -- the exit coming between a look and the
+    wait after it, as it does when a loaded machine preempts the launcher
+    there.  Returns when the SIGKILL was asked for ("killed"), when the
+    stale answer was given ("stale") and when the policy looked again
+    ("next"); "gone" if the leader was not running at that look."""
     from torchmp import _core
     from torchmp._launch import command as _command
 
@@ -489,20 +492,29 @@ def stale_look_after_sigkill(monkeypatch, waits_here: bool) -> dict[str, float]:
     real_killpg, real_running = _command._Command.killpg, _command._Command.running
 
     def killpg(self, sig: int) -> None:
+        if sig == signal.SIGKILL and "stale" not in seen:
+            seen.setdefault("killed", time.monotonic())  # sent by the look below
+            return
         real_killpg(self, sig)
-        if sig == signal.SIGKILL:
-            seen.setdefault("killed", time.monotonic())
 
     def running(self) -> bool:
-        if "killed" not in seen or "next" in seen:
+        if "killed" not in seen or "next" in seen or "gone" in seen:
             return real_running(self)
         if "stale" in seen:
             seen["next"] = time.monotonic()
             return real_running(self)
+        if not real_running(self):
+            seen["gone"] = time.monotonic()
+            real_killpg(self, signal.SIGKILL)
+            return False
+        real_killpg(self, signal.SIGKILL)
         deadline = time.monotonic() + 10
         pid = self._cmd.pid
         while time.monotonic() < deadline:
-            dead = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None
+            try:
+                dead = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None
+            except ChildProcessError:
+                dead = True  # (reaped already)
             if dead and (waits_here or self._cmd.state & _core.CMD_EXITED):
                 break
             time.sleep(0.001)

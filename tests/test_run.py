@@ -254,8 +254,8 @@ def test_a_leader_gone_right_after_the_sigkill_is_not_waited_for(tmp_path, monke
     # The policy looks (the leader still runs), then waits for its exit;
     # if the SIGKILL's exit came in between, the wait must return at once,
     # not sleep out the kill grace (5 s).  Seen under load: a timeout of
-    # 2 s took 8 s.  The race is made here: the first look after the
-    # SIGKILL answers as if it came just before the exit.
+    # 2 s took 8 s.  The race is made here: the SIGKILL goes out from the
+    # look, after it saw the leader running (tests/helpers.py).
     from torchmp import _run
 
     seen = stale_look_after_sigkill(monkeypatch, _run._waits_here())
