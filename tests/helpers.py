@@ -524,3 +524,16 @@ def stale_look_after_sigkill(monkeypatch, waits_here: bool) -> dict[str, float]:
     monkeypatch.setattr(_command._Command, "killpg", killpg)
     monkeypatch.setattr(_command._Command, "running", running)
     return seen
+
+
+def check_looked_again_at_once(seen: dict[str, float], pidfile: Path) -> None:
+    """After a command run under stale_look_after_sigkill: the policy looked
+    again at once after the stale answer (not after the kill grace), and the
+    leader (its pid in pidfile) is gone."""
+    (pid,) = read_pids(pidfile, 1)
+    try:
+        assert "stale" in seen and "next" in seen, seen
+        assert seen["next"] - seen["stale"] < 1.0, seen
+        assert wait_gone([pid], 1) == []
+    finally:
+        kill_groups([pid])
