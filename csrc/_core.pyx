@@ -647,10 +647,10 @@ def consoles_pending(int fd=-1) -> int:
     """Bytes waiting for the launcher's fd 1 / fd 2 consoles, held-back ones
     included (0: caught up); fd >= 0: only for the console of what fd
     refers to."""
-    cdef size_t n
-    with nogil:
-        n = torchmp_consoles_pending(fd)
-    return n
+    # (The GIL stays held: the count takes the loop's mutex only, which no
+    # thread holds while it waits for the GIL; this is on the path from the
+    # last exit to wait()'s return.)
+    return torchmp_consoles_pending(fd)
 
 
 def consoles_shown(int fd=-1) -> int:

@@ -213,6 +213,7 @@ cdef extern from "torchmp.h" nogil:
     void torchmp_keeper_settle(int block) nogil
     int torchmp_pgroups_alive(const pid_t *pgids, int n, unsigned char *alive)
     int torchmp_group_finish_streams(torchmp_group *g)
+    int torchmp_group_has_pipes(const torchmp_group *g)
     void torchmp_group_release(torchmp_group *g)
 
     # notifier.c

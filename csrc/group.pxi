@@ -327,6 +327,14 @@ cdef class Group:
             free(pids)
             free(starts)
 
+    cdef bint _any_forked(self):
+        """Whether adopt_forked() has anything to adopt."""
+        cdef int rank
+        for rank in range(self.nprocs):
+            if self.forked_pid[rank] > 0:
+                return True
+        return False
+
     def adopt_forked(self):
         """Adopt every worker fork_rank() or forkserver_fork() started that
         is not watched yet (an interrupted launch: so close() kills it)."""
@@ -673,6 +681,8 @@ cdef class Group:
         self._finish_streams()
 
     cdef int _finish_streams(self) except -1:
+        if not torchmp_group_has_pipes(self.g):
+            return 0  # nothing to drain: no reason to drop the GIL
         self._enter()
         try:
             with nogil:
@@ -693,7 +703,8 @@ cdef class Group:
         still alive, or (unless_killed) a rank died of SIGKILL, whose zombie
         must pin its pid until the caller has asked the OOM killer."""
         self._ours()
-        self.adopt_forked()  # (what torchmp._launch.adopt_interrupted asks for)
+        if self._any_forked():
+            self.adopt_forked()  # (what torchmp._launch.adopt_interrupted asks for)
         if self._busy() or (unless_killed and self._any_killed()):
             return None
         forkserver_pids = self._reap()

@@ -663,6 +663,11 @@ size_t torchmp_group_tail(torchmp_group *g, int rank, int which, char *buf, size
     return n;
 }
 
+int torchmp_group_has_pipes(const torchmp_group *g)
+{
+    return g->has_pipes;
+}
+
 int torchmp_group_finish_streams(torchmp_group *g)
 {
     command c;

@@ -617,6 +617,11 @@ int torchmp_group_reap(torchmp_group *g, pid_t *forkserver_pids, int cap);
  * the group (grandchildren holding a pipe no longer keep it alive). */
 int torchmp_group_finish_streams(torchmp_group *g);
 
+/* Whether finishing the group's streams has anything to do (a stream is a
+ * pipe the I/O thread reads): if not, torchmp_group_finish_streams returns
+ * at once, and its caller need not let other threads run meanwhile. */
+int torchmp_group_has_pipes(const torchmp_group *g);
+
 /* Python no longer references the group; the loop frees it once every rank
  * is reaped and every stream is closed. */
 void torchmp_group_release(torchmp_group *g);
