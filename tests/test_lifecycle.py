@@ -39,6 +39,62 @@ def test_success_result_shape_and_resources(tmp_path):
         assert 0 < usage.wall_time < 10 and usage.user_time >= 0 and usage.max_rss > 0
 
 
+def test_the_result_s_resource_usages_are_the_dataclass_s_own(tmp_path):
+    # wait() makes each ResourceUsage without the dataclass's __init__ (it
+    # runs cold there): the objects must be the same as the class makes.
+    import copy
+    import dataclasses
+    import pickle
+
+    ctx = launch("sh", {0: ("-c", "exit 0"), 1: ("-c", "exit 5")}, log_dir=tmp_path)
+    result = ctx.wait()
+    ctx.close()
+    assert sorted(result.resources) == [0, 1]
+    for rank, usage in result.resources.items():
+        fields = dataclasses.asdict(usage)
+        assert list(fields) == ["pid", "exitcode", "wall_time", "user_time", "system_time", "max_rss"]
+        made = torchmp.ResourceUsage(**fields)
+        assert usage == made and hash(usage) == hash(made) and repr(usage) == repr(made)
+        assert pickle.loads(pickle.dumps(usage)) == usage and copy.copy(usage) == usage
+        assert dataclasses.replace(usage, exitcode=7).exitcode == 7 and usage.exitcode == (0, 5)[rank]
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            usage.pid = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("how", ["subclass", "instance"])
+def test_the_close_that_wait_makes_is_an_overriding_close(tmp_path, how):
+    # wait() closes a finished context without going through close() (that
+    # path runs cold); a close() of a subclass's own, or one set on the
+    # instance, still runs when the result comes, as torch's wait() has it.
+    calls = []
+
+    class Closing(SubprocessContext):
+        def close(self, death_sig=None, timeout=30):
+            calls.append((death_sig, timeout))
+            super().close(death_sig, timeout)
+
+    def start():
+        return torchmp.start_processes(name="t", entrypoint="sh", args={0: ("-c", "exit 0"), 1: ("-c", "exit 0")},
+                                       envs={0: {}, 1: {}}, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path)))
+    ctx = start()
+    if how == "subclass":
+        ctx.__class__ = Closing
+    else:
+        plain_close = ctx.close
+
+        def own_close(death_sig=None, timeout=30):
+            calls.append((death_sig, timeout))
+            plain_close(death_sig, timeout)
+        ctx.close = own_close
+    try:
+        result = ctx.wait()
+        assert result is not None and not result.is_failed() and sorted(result.resources) == [0, 1]
+        assert calls == [(None, ctx.fail_fast_timeout)]
+        assert ctx._closed
+    finally:
+        SubprocessContext.close(ctx)
+
+
 def test_cpu_time_is_measured(tmp_path):
     entry, args = python_worker("x = 0\nfor i in range(3_000_000): x += i")
     ctx = launch(entry, {0: args}, log_dir=tmp_path)

@@ -292,11 +292,10 @@ class MultiprocessContext(_NativeContext):
             if rank not in self._return_blobs:
                 self._return_blobs[rank] = group.take_return(rank)
 
-    def _clean_exit_problem(self, rank: int) -> str | None:
+    def _clean_exit_problems(self, ranks: list[int]) -> dict[int, str]:
         # A worker sends its pickled return value (None included) before it
         # exits; exit code 0 with nothing sent means the function never
         # returned: os._exit(0) somewhere in it.  (torch 2.13 waits forever
         # for such a rank's value.)
-        if self._return_blobs.get(rank) or rank in self._return_values_cache:
-            return None
-        return "exited with code 0 without returning a value (os._exit() before the function returned?)"
+        return {rank: "exited with code 0 without returning a value (os._exit() before the function returned?)"
+                for rank in ranks if not self._return_blobs.get(rank) and rank not in self._return_values_cache}

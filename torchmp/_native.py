@@ -24,7 +24,7 @@ from torchmp._inputs import (
     DEFAULT_STDERR_TAIL_LINES, TAIL_BYTES_PER_LINE, check_filters, check_name, check_prefixes,
     normalize_args, normalize_envs,
 )
-from torchmp._pcontext import PContext, ResourceUsage, RunProcsResult, exitcode
+from torchmp._pcontext import PContext, ResourceUsage, RunProcsResult, exitcode, resource_usage
 from torchmp._shutdown import KILL_GRACE_SECONDS as KILL_GRACE_SECONDS
 from torchmp._shutdown import SHUTDOWN_GRACE_SECONDS
 from torchmp._signals import close_despite_interrupts
@@ -64,6 +64,13 @@ class _NativeContext(PContext):
     # torchmp extension: pass a stderr that is neither teed nor redirected
     # through the I/O thread too (unprefixed), so failures get its tail.
     watch_stderr: bool = False
+    # Whether this class closes with torchmp's own close() and _close(), so
+    # that wait() may make its quiet close without them (_finish).
+    _close_is_plain: bool = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._close_is_plain = cls.close is PContext.close and cls._close is _NativeContext._close
 
     def __init__(
         self,
@@ -152,9 +159,11 @@ class _NativeContext(PContext):
     def _before_release(self, group: _core.Group) -> None:
         """Last chance to take what the native group holds (return values)."""
 
-    def _clean_exit_problem(self, rank: int) -> str | None:
-        """Why a rank that exited with code 0 still failed, if it did."""
-        return None
+    def _clean_exit_problems(self, ranks: list[int]) -> dict[int, str]:
+        """Why ranks that exited with code 0 still failed, by rank: those
+        that did (asked once per result, not per rank: it is on the path
+        from the last exit to wait()'s return)."""
+        return {}
 
     def _lost_status_reason(self, rank: int) -> str:
         return self._launcher.lost_status_reason() or reaped_elsewhere_reason()
@@ -308,11 +317,32 @@ class _NativeContext(PContext):
         return self._finish()
 
     def _finish(self) -> RunProcsResult:
-        """The result, once decided: close (fail-fast), collect, settle."""
-        # Fail-fast: the first failure terminates the siblings, whose exits
-        # are recorded too but are never the root cause.
-        self.close(timeout=self.fail_fast_timeout)
-        ranks = self._snapshot()[1] if self._group is not None else []
+        """The result, once decided: close (fail-fast), collect, settle.
+
+        This runs between the deciding exit and wait()'s return, after a
+        sleep that left the caches cold: each Python call on it costs a few
+        microseconds (docs/profiles.md, "The finish in fewer calls").  So
+        when every rank is done (the common end of wait()), the quiet close
+        is made here, not through close() and _close(); a close() of a
+        subclass or an instance's own, or the subreaper's sweep, is never
+        skipped."""
+        ranks = None
+        lock = self._close_lock
+        if (self._close_is_plain and self.subreaper_id is None and "close" not in self.__dict__
+                and lock.acquire(blocking=False)):  # (busy: another thread is closing; close() waits for it)
+            try:
+                group = self._group
+                if group is not None and not self._closed:
+                    final = self._close_quiet(group)
+                    if final is not None:
+                        ranks = final[1]
+            finally:
+                lock.release()
+        if ranks is None:
+            # Fail-fast: the first failure terminates the siblings, whose
+            # exits are recorded too but are never the root cause.
+            self.close(timeout=self.fail_fast_timeout)
+            ranks = self._snapshot()[1] if self._group is not None else []
         self._result = self._build_result(ranks)
         # Every line is in the log files now.  The consoles: an object
         # console is followed until all of it is written (unless it takes
@@ -326,31 +356,31 @@ class _NativeContext(PContext):
 
     def _build_result(self, ranks: list[_core.ProcInfo]) -> RunProcsResult:
         failures: dict[int, ProcessFailure] = {}
-        resources: dict[int, ResourceUsage] = {}
         # (This runs between the deciding exit and wait()'s return, after a
         # sleep that left the caches cold: every step it does not take
         # counts.  See docs/profiles.md.)
+        resources = self._resources(ranks)
         exited = _core.PROC_EXITED
+        clean: list[int] = []
         for rank, info in enumerate(ranks):
             if info.state != exited:
                 if info.state == _core.PROC_RUNNING and rank in self._abandoned:
                     failures[rank] = self._abandoned_failure(rank, info.pid)
                 continue
-            code = exitcode(info.wait_status)
-            resources[rank] = self._usage(rank, info, code)
+            status = info.wait_status
+            code = exitcode(status) if status else 0
             if info.out_log_errno or info.err_log_errno:
                 self._log_write_failed(rank, info)
             if code == 0:
-                problem = self._clean_exit_problem(rank)
-                if problem is None:
-                    continue
-                failures[rank] = ProcessFailure(
-                    local_rank=rank, pid=info.pid, exitcode=0, error_file=self.error_files.get(rank, ""),
-                    timestamp_ns=info.exit_real_ns)
-                if not failures[rank].has_recorded_message:
-                    failures[rank].message = problem
-                continue
-            failures[rank] = self._exit_failure(rank, info, code)
+                clean.append(rank)
+            else:
+                failures[rank] = self._exit_failure(rank, info, code)
+        for rank, problem in self._clean_exit_problems(clean).items():
+            failures[rank] = ProcessFailure(
+                local_rank=rank, pid=ranks[rank].pid, exitcode=0, error_file=self.error_files.get(rank, ""),
+                timestamp_ns=ranks[rank].exit_real_ns)
+            if not failures[rank].has_recorded_message:
+                failures[rank].message = problem
         if not failures:
             result = RunProcsResult(failures=failures, stdouts=self.stdouts, stderrs=self.stderrs,
                                     resources=resources)
@@ -411,30 +441,36 @@ class _NativeContext(PContext):
                 failure.message = why
         return failure
 
-    def _usage(self, rank: int, info: _core.ProcInfo, code: int) -> ResourceUsage:
-        """An exited rank's ResourceUsage (code: its exitcode()), made once
-        for what the snapshot says of it (a later snapshot that says
-        anything else makes it anew)."""
-        known = self._usages.get(rank)
-        if known is not None and known[0] == info:
-            return known[1]
-        usage = ResourceUsage(
-            pid=info.pid,
-            exitcode=code,
-            wall_time=(info.exit_mono_ns - info.start_mono_ns) / 1e9,
-            user_time=info.utime_ns / 1e9,
-            system_time=info.stime_ns / 1e9,
-            max_rss=info.maxrss_kb * 1024,
-        )
-        self._usages[rank] = (info, usage)
-        return usage
+    def _resources(self, ranks: list[_core.ProcInfo]) -> dict[int, ResourceUsage]:
+        """The exited ranks' ResourceUsage, by rank, each made once for what
+        the snapshot says of it (a later snapshot that says anything else
+        makes it anew)."""
+        known = self._usages
+        resources: dict[int, ResourceUsage] = {}
+        for rank, info in enumerate(ranks):
+            if info.state != _core.PROC_EXITED:
+                continue
+            kept = known.get(rank)
+            if kept is not None and kept[0] == info:
+                resources[rank] = kept[1]
+                continue
+            status = info.wait_status
+            usage = resource_usage(
+                pid=info.pid,
+                exitcode=exitcode(status) if status else 0,
+                wall_time=(info.exit_mono_ns - info.start_mono_ns) / 1e9,
+                user_time=info.utime_ns / 1e9,
+                system_time=info.stime_ns / 1e9,
+                max_rss=info.maxrss_kb * 1024,
+            )
+            known[rank] = (info, usage)
+            resources[rank] = usage
+        return resources
 
     def _take_in(self, ranks: list[_core.ProcInfo]) -> None:
         """What the result will say of the ranks exited so far, made while
         others still run."""
-        for rank, info in enumerate(ranks):
-            if info.state == _core.PROC_EXITED:
-                self._usage(rank, info, exitcode(info.wait_status))
+        self._resources(ranks)
 
     def wait(self, timeout: float = -1, period: float = 1) -> RunProcsResult | None:
         """Like torch's ``wait`` but event-driven: it returns as soon as the
@@ -553,7 +589,7 @@ class _NativeContext(PContext):
                 return
             group = self._group
             try:
-                if self._close_quiet(group):
+                if self._close_quiet(group) is not None:
                     return
                 killed = _shutdown.run_blocking(self._stop_steps(group, death_sig, timeout), group.wait)
                 self._after_stop(group, killed)
@@ -574,7 +610,7 @@ class _NativeContext(PContext):
                 return
             group = self._group
             try:
-                if self._close_quiet(group):
+                if self._close_quiet(group) is not None:
                     return
                 killed = await _aio.drive_group(self._stop_steps(group, death_sig, timeout), group)
                 self._after_stop(group, killed)
@@ -634,27 +670,31 @@ class _NativeContext(PContext):
         group.finish_streams()
         self._let_go(group, forkserver_pids, group.snapshot())
 
-    def _close_quiet(self, group: _core.Group) -> bool:
+    def _close_quiet(self, group: _core.Group) -> tuple[int, list[_core.ProcInfo]] | None:
         """The common close(), the one wait() makes once every rank is done:
         nothing is left to stop, so the shutdown policy is not built and
         the group is closed in one native call (this is on the path from
-        the last exit to wait()'s return).  False, with nothing done, if
-        something is left to stop, or a rank died of a SIGKILL while the
-        OOM killer is watched (the policy's path asks it, before the reap)."""
-        quiet = group.close_quiet(unless_killed=self._oom_watch is not None)
+        the last exit to wait()'s return).  The final snapshot; None, with
+        nothing done, if something is left to stop, or a rank died of a
+        SIGKILL while the OOM killer is watched (the policy's path asks it,
+        before the reap).  Caller holds the close lock."""
+        oom_watch = self._oom_watch
+        quiet = group.close_quiet(unless_killed=oom_watch is not None)
         if quiet is None:
-            return False
+            return None
         self._oom_suspects = False
-        if self._oom_watch is not None:
-            self._oom_watch.stop(False)
-        self._let_go(group, *quiet)
-        return True
+        if oom_watch is not None:
+            oom_watch.stop(False)
+        forkserver_pids, final = quiet
+        self._let_go(group, forkserver_pids, final)
+        return final
 
     def _let_go(self, group: _core.Group, forkserver_pids: list[int],
                 final: tuple[int, list[_core.ProcInfo]]) -> None:
         """The end of every close(): the ranks are reaped and their streams
         finished; keep what the result needs and release the native group."""
-        self._launcher.release(forkserver_pids)
+        if forkserver_pids:
+            self._launcher.release(forkserver_pids)
         if self._forwarder is not None:
             # What the objects still have to show is written by the
             # forwarding thread; close() does not wait for it.
@@ -662,23 +702,20 @@ class _NativeContext(PContext):
         # Free the native side now (fds included) rather than whenever the
         # garbage collector gets to this object.
         self._final = final
-        self._keep_tails(group, final[1])
+        if self.stderr_tail:
+            # The failed ranks' stderr tails, which the result reports.
+            cap = self.stderr_tail * TAIL_BYTES_PER_LINE
+            for rank, info in enumerate(final[1]):
+                if info.state == _core.PROC_EXITED and info.wait_status != 0:
+                    data = group.tail(rank, 1, cap + 1)
+                    if data:
+                        self._tails[rank] = (data[-cap:], len(data) > cap)
         self._before_release(group)
         # Closed before the release: an interrupt landing in between must not
         # make a retried close() use a released group.
         self._closed = True
         _orphans.forget(self)
         group.release()
-
-    def _keep_tails(self, group: _core.Group, ranks: list[_core.ProcInfo]) -> None:
-        if not self.stderr_tail:
-            return
-        cap = self.stderr_tail * TAIL_BYTES_PER_LINE
-        for rank, info in enumerate(ranks):
-            if info.state == _core.PROC_EXITED and info.wait_status != 0:
-                data = group.tail(rank, 1, cap + 1)
-                if data:
-                    self._tails[rank] = (data[-cap:], len(data) > cap)
 
     def _unsent_sigkills(self, ranks: list[_core.ProcInfo]) -> bool:
         """Whether a rank died of a SIGKILL torchmp did not send."""

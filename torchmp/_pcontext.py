@@ -43,6 +43,18 @@ class ResourceUsage:
     max_rss: int
 
 
+def resource_usage(**fields: Any) -> ResourceUsage:
+    """``ResourceUsage(**fields)``, made without running the dataclass's
+    ``__init__``: its six frozen-field assignments are Python calls, and the
+    last rank's usage is made between the deciding exit and ``wait()``'s
+    return, where each call runs cold (docs/profiles.md).  The instance is
+    the same as the class makes (fields, equality, hash, repr, pickle); the
+    fields must be all six, by name."""
+    usage = object.__new__(ResourceUsage)
+    usage.__dict__.update(fields)
+    return usage
+
+
 @dataclass
 class RunProcsResult:
     """Results of a completed run, all mapped by local rank.
