@@ -95,6 +95,34 @@ def test_the_close_that_wait_makes_is_an_overriding_close(tmp_path, how):
         SubprocessContext.close(ctx)
 
 
+def test_a_close_from_a_handler_inside_the_close_that_wait_makes(tmp_path):
+    # A signal handler on the waiting thread may close the context while the
+    # close that wait() makes is under way (the close lock is re-entrant):
+    # that close then finds its group released, and the result still comes
+    # from the final snapshot, through poll() as through wait().
+    ctx = launch("sh", {0: ("-c", "exit 0"), 1: ("-c", "exit 4")}, log_dir=tmp_path, kill_on_bad_exit=False)
+    deadline = time.monotonic() + 30
+    while any(info.state != torchmp._core.PROC_EXITED for info in ctx._group.snapshot()[1]):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    quiet = ctx._close_quiet
+    handled = []
+
+    def interrupted_close_quiet(group):
+        if not handled:
+            handled.append(True)
+            ctx.close()  # what the handler does, at this point of the close
+        return quiet(group)
+
+    ctx._close_quiet = interrupted_close_quiet
+    try:
+        result = ctx.wait(0)
+        assert handled and ctx._closed and result is not None and list(result.failures) == [1]
+        assert result.failures[1].exitcode == 4 and sorted(result.resources) == [0, 1]
+    finally:
+        SubprocessContext.close(ctx)
+
+
 def test_cpu_time_is_measured(tmp_path):
     entry, args = python_worker("x = 0\nfor i in range(3_000_000): x += i")
     ctx = launch(entry, {0: args}, log_dir=tmp_path)

@@ -336,6 +336,11 @@ class _NativeContext(PContext):
                     final = self._close_quiet(group)
                     if final is not None:
                         ranks = final[1]
+            except ValueError:
+                # As in _close: a signal handler on this thread closed the
+                # context meanwhile; the group is down and released.
+                if not self._closed:
+                    raise
             finally:
                 lock.release()
         if ranks is None:
