@@ -230,3 +230,42 @@ def test_a_first_launch_makes_no_descriptor_it_throws_away(tmp_path: Path) -> No
     assert [pid for pid in pidfds if pid > 0] == ranks, [line for line in calls if "pidfd_open" in line]
     # (The script reads the names back: only an open to write counts.)
     assert not [line for line in calls if "/comm" in line and "O_RDONLY" not in line]
+
+
+def test_the_result_asks_the_consoles_only_once_one_was_used(tmp_path: Path) -> None:
+    # wait() lets the launcher's fd consoles catch up and says if one was
+    # switched off, once it has its result.  Until something was given to an
+    # fd console (a teed stream, torchmp's own words) none can have bytes
+    # waiting or have failed, and the core is not asked: that is on the path
+    # from the last exit to wait()'s return.  Once one was, it is asked at
+    # every result, also of launches that tee nothing.
+    script = f"""
+        import json, torchmp
+        from torchmp import _console, _core
+        asked = []
+        for name in ("consoles_pending", "consoles_shown", "console_failure"):
+            def counted(*args, _real=getattr(_core, name), _name=name):
+                asked.append(_name)
+                return _real(*args)
+            setattr(_core, name, counted)
+        def launch(tee, log_dir):
+            ctx = torchmp.start_processes("w", "echo", {{0: ("hello",)}}, {{0: {{}}}},
+                                          torchmp.DefaultLogsSpecs(log_dir=log_dir, tee=tee))
+            result = ctx.wait(30)
+            ctx.close()
+            assert not result.is_failed(), result.failures
+            got = sorted(set(asked))
+            asked.clear()
+            return got
+        seen = {{"quiet": launch(torchmp.Std.NONE, {str(tmp_path / "a")!r})}}
+        seen["teed"] = launch(torchmp.Std.OUT, {str(tmp_path / "b")!r})
+        seen["quiet_after"] = launch(torchmp.Std.NONE, {str(tmp_path / "c")!r})
+        print(json.dumps(seen))
+    """
+    res = run_launcher(script)
+    assert res.returncode == 0, res.stderr.decode()
+    last = res.stdout.decode().splitlines()[-1]
+    assert json.loads(last) == {"quiet": [], "teed": ["console_failure", "consoles_pending"],
+                                "quiet_after": ["console_failure", "consoles_pending"]}, res.stdout
+    # The worker's line reached the console each time (prefixed when teed).
+    assert res.stdout.decode().splitlines()[:-1] == ["hello", "[w0]:hello", "hello"]

@@ -61,6 +61,47 @@ def test_the_result_s_resource_usages_are_the_dataclass_s_own(tmp_path):
             usage.pid = 1  # type: ignore[misc]
 
 
+def test_a_clean_result_is_the_dataclass_s_own(tmp_path):
+    # When every rank exited 0, wait() makes its RunProcsResult without the
+    # dataclass's __init__ (it runs cold there): the same object as the
+    # class makes, and as mutable.
+    import copy
+    import dataclasses
+    import pickle
+
+    ctx = launch("sh", {0: ("-c", "echo a"), 1: ("-c", "echo b >&2")}, log_dir=tmp_path, redirects=Std.ALL)
+    result = ctx.wait()
+    ctx.close()
+    fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
+    assert list(fields) == ["return_values", "failures", "stdouts", "stderrs", "resources"]
+    assert fields["return_values"] == {0: None, 1: None} and fields["failures"] == {}
+    assert sorted(fields["resources"]) == [0, 1] and not result.is_failed()
+    assert Path(fields["stdouts"][0]).read_text() == "a\n" and Path(fields["stderrs"][1]).read_text() == "b\n"
+    made = RunProcsResult(**fields)
+    assert result == made and repr(result) == repr(made) and vars(result) == vars(made)
+    assert pickle.loads(pickle.dumps(result)) == result and copy.deepcopy(result) == result
+    assert dataclasses.asdict(result) == dataclasses.asdict(made)
+    assert dataclasses.replace(result, failures={}) == result
+    result.return_values = {0: 1}  # (torch's code sets fields of its results)
+    assert result.return_values == {0: 1}
+
+
+def test_a_subclass_asked_about_clean_exits_is_still_asked(tmp_path):
+    # The clean result skips _clean_exit_problems only where the class
+    # finds none there (the base's): an override still turns a rank that
+    # exited 0 into a failure.
+    class Asking(SubprocessContext):
+        def _clean_exit_problems(self, ranks):
+            return {rank: "exited 0 too early" for rank in ranks if rank == 1}
+
+    ctx = launch("sh", {0: ("-c", "exit 0"), 1: ("-c", "exit 0")}, log_dir=tmp_path)
+    ctx.__class__ = Asking
+    result = ctx.wait()
+    ctx.close()
+    assert sorted(result.failures) == [1] and result.failures[1].exitcode == 0
+    assert result.failures[1].message == "exited 0 too early" and sorted(result.resources) == [0, 1]
+
+
 @pytest.mark.parametrize("how", ["subclass", "instance"])
 def test_the_close_that_wait_makes_is_an_overriding_close(tmp_path, how):
     # wait() closes a finished context without going through close() (that

@@ -167,14 +167,22 @@ def _std_stream(which: int) -> TextIO | None:
     return sys.stdout if which == 0 else sys.stderr
 
 
+# Whether an fd console (the launcher's fd 1 or 2, fed by the I/O thread)
+# was given anything in this process: a teed stream's sink, torchmp's own
+# words.  Until then no console can have bytes waiting or have failed.
+_fd_consoles_used = False
+
+
 def console_for(which: int) -> Any:
     """The console of stream ``which`` (0: stdout, 1: stderr): the launcher's
     fd (1 or 2), an ObjectConsole, or -1 for none."""
+    global _fd_consoles_used
     fd = which + 1
     target = _std_stream(which)
     if target is None or fd in _closed_std_fds:
         return -1
     if _writes_to_fd(target, fd):
+        _fd_consoles_used = True
         try:
             target.flush()  # what the program printed comes first
         except (OSError, ValueError):
@@ -197,6 +205,7 @@ def say(text: str, which: int = 1) -> None:
     stdout (0): through the same console as the workers' lines, after those
     logged before them, without ever blocking (a console that cannot take
     them keeps them within its bound; past it they are left out)."""
+    global _fd_consoles_used
     fd = which + 1
     target = _std_stream(which)
     if not text or target is None or fd in _closed_std_fds:
@@ -208,6 +217,7 @@ def say(text: str, which: int = 1) -> None:
     # (a worker, a program before its first launch): written as logging's
     # last resort would, rather than starting a thread (and a keeper) for it.
     if _writes_to_fd(target, fd) and _core.loop_exists():
+        _fd_consoles_used = True
         if which == 1:
             try:
                 target.flush()  # the program's own pending text first (stderr is line-buffered)
@@ -305,6 +315,18 @@ def check_failures() -> dict[int, int]:
 # it had waited for progress.  A wait that would be no longer, with nothing
 # shown since (the exit after the report), does not start over.
 _given_up: tuple[int, float] | None = None
+
+
+def settle_for_result() -> None:
+    """What the consoles get once wait() has its result: the fd consoles are
+    let catch up (one that stopped moving is waited for RESULT_STALL), and a
+    console switched off is said (check_failures).  Nothing is asked of the
+    core before an fd console was used: this is on the path from the last
+    exit to wait()'s return, where each call into the core costs
+    microseconds (docs/profiles.md, "The consoles after the result")."""
+    if _fd_consoles_used:
+        settle(RESULT_STALL)
+        check_failures()
 
 
 def settle(stall: float, limit: float | None = None, fd: int = -1) -> bool:

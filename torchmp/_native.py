@@ -24,7 +24,7 @@ from torchmp._inputs import (
     DEFAULT_STDERR_TAIL_LINES, TAIL_BYTES_PER_LINE, check_filters, check_name, check_prefixes,
     normalize_args, normalize_envs,
 )
-from torchmp._pcontext import PContext, ResourceUsage, RunProcsResult, exitcode, resource_usage
+from torchmp._pcontext import PContext, ResourceUsage, RunProcsResult, exitcode, resource_usage, run_procs_result
 from torchmp._shutdown import KILL_GRACE_SECONDS as KILL_GRACE_SECONDS
 from torchmp._shutdown import SHUTDOWN_GRACE_SECONDS
 from torchmp._signals import close_despite_interrupts
@@ -67,10 +67,14 @@ class _NativeContext(PContext):
     # Whether this class closes with torchmp's own close() and _close(), so
     # that wait() may make its quiet close without them (_finish).
     _close_is_plain: bool = True
+    # Whether this class asks _clean_exit_problems about ranks that exited 0
+    # (the base finds none: its result then needs no look at them).
+    _checks_clean_exits: bool = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls._close_is_plain = cls.close is PContext.close and cls._close is _NativeContext._close
+        cls._checks_clean_exits = cls._clean_exit_problems is not _NativeContext._clean_exit_problems
 
     def __init__(
         self,
@@ -355,16 +359,19 @@ class _NativeContext(PContext):
         # it caught up, a stalled one is not waited for.
         if self._forwarder is not None:
             self._forwarder.follow(_console.stall_time())
-        _console.settle(_console.RESULT_STALL)
-        _console.check_failures()
+        _console.settle_for_result()
         return self._result
 
     def _build_result(self, ranks: list[_core.ProcInfo]) -> RunProcsResult:
-        failures: dict[int, ProcessFailure] = {}
         # (This runs between the deciding exit and wait()'s return, after a
         # sleep that left the caches cold: every step it does not take
         # counts.  See docs/profiles.md.)
-        resources = self._resources(ranks)
+        resources, all_clean = self._resources(ranks)
+        if all_clean and not self._checks_clean_exits:
+            # The common end: every rank exited 0, its logs whole.
+            return run_procs_result(return_values=self._return_values(), failures={}, stdouts=self.stdouts,
+                                    stderrs=self.stderrs, resources=resources)
+        failures: dict[int, ProcessFailure] = {}
         exited = _core.PROC_EXITED
         clean: list[int] = []
         for rank, info in enumerate(ranks):
@@ -446,15 +453,21 @@ class _NativeContext(PContext):
                 failure.message = why
         return failure
 
-    def _resources(self, ranks: list[_core.ProcInfo]) -> dict[int, ResourceUsage]:
+    def _resources(self, ranks: list[_core.ProcInfo]) -> tuple[dict[int, ResourceUsage], bool]:
         """The exited ranks' ResourceUsage, by rank, each made once for what
         the snapshot says of it (a later snapshot that says anything else
-        makes it anew)."""
+        makes it anew); and whether every rank exited 0 with its log files
+        whole (what a result needs no failure for)."""
         known = self._usages
         resources: dict[int, ResourceUsage] = {}
+        clean = True
+        exited = _core.PROC_EXITED
         for rank, info in enumerate(ranks):
-            if info.state != _core.PROC_EXITED:
+            if info.state != exited:
+                clean = False
                 continue
+            if info.wait_status or info.out_log_errno or info.err_log_errno:
+                clean = False
             kept = known.get(rank)
             if kept is not None and kept[0] == info:
                 resources[rank] = kept[1]
@@ -470,7 +483,7 @@ class _NativeContext(PContext):
             )
             known[rank] = (info, usage)
             resources[rank] = usage
-        return resources
+        return resources, clean
 
     def _take_in(self, ranks: list[_core.ProcInfo]) -> None:
         """What the result will say of the ranks exited so far, made while

@@ -75,6 +75,16 @@ class RunProcsResult:
         return len(self.failures) > 0
 
 
+def run_procs_result(**fields: Any) -> RunProcsResult:
+    """``RunProcsResult(**fields)``, made without running the dataclass's
+    ``__init__``, for the result made between the deciding exit and
+    ``wait()``'s return (as :func:`resource_usage`); the fields must be all
+    five, by name."""
+    result = object.__new__(RunProcsResult)
+    result.__dict__.update(fields)
+    return result
+
+
 class TeeTail:
     """One teed stream of one rank, in the place of torch's ``TailLog``
     threads (``PContext._tail_logs``): torchmp's I/O thread does the
