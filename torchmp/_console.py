@@ -323,7 +323,8 @@ def settle_for_result() -> None:
     console switched off is said (check_failures).  Nothing is asked of the
     core before an fd console was used: this is on the path from the last
     exit to wait()'s return, where each call into the core costs
-    microseconds (docs/profiles.md, "The consoles after the result")."""
+    microseconds (docs/profiles.md, "The result and the consoles after the
+    last exit")."""
     if _fd_consoles_used:
         settle(RESULT_STALL)
         check_failures()
