@@ -24,7 +24,7 @@ from torchmp._inputs import (
     DEFAULT_STDERR_TAIL_LINES, TAIL_BYTES_PER_LINE, check_filters, check_name, check_prefixes,
     normalize_args, normalize_envs,
 )
-from torchmp._pcontext import PContext, ResourceUsage, RunProcsResult, exitcode, resource_usage, run_procs_result
+from torchmp._pcontext import PContext, ResourceUsage, RunProcsResult, exitcode, made_without_init
 from torchmp._shutdown import KILL_GRACE_SECONDS as KILL_GRACE_SECONDS
 from torchmp._shutdown import SHUTDOWN_GRACE_SECONDS
 from torchmp._signals import close_despite_interrupts
@@ -369,8 +369,8 @@ class _NativeContext(PContext):
         resources, all_clean = self._resources(ranks)
         if all_clean and not self._checks_clean_exits:
             # The common end: every rank exited 0, its logs whole.
-            return run_procs_result(return_values=self._return_values(), failures={}, stdouts=self.stdouts,
-                                    stderrs=self.stderrs, resources=resources)
+            return made_without_init(RunProcsResult, return_values=self._return_values(), failures={},
+                                     stdouts=self.stdouts, stderrs=self.stderrs, resources=resources)
         failures: dict[int, ProcessFailure] = {}
         exited = _core.PROC_EXITED
         clean: list[int] = []
@@ -473,7 +473,8 @@ class _NativeContext(PContext):
                 resources[rank] = kept[1]
                 continue
             status = info.wait_status
-            usage = resource_usage(
+            usage = made_without_init(
+                ResourceUsage,
                 pid=info.pid,
                 exitcode=exitcode(status) if status else 0,
                 wall_time=(info.exit_mono_ns - info.start_mono_ns) / 1e9,

@@ -8,7 +8,7 @@ import signal
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from torchmp import _escapees
 from torchmp._shutdown import SHUTDOWN_GRACE_SECONDS
@@ -43,18 +43,6 @@ class ResourceUsage:
     max_rss: int
 
 
-def resource_usage(**fields: Any) -> ResourceUsage:
-    """``ResourceUsage(**fields)``, made without running the dataclass's
-    ``__init__``: its six frozen-field assignments are Python calls, and the
-    last rank's usage is made between the deciding exit and ``wait()``'s
-    return, where each call runs cold (docs/profiles.md).  The instance is
-    the same as the class makes (fields, equality, hash, repr, pickle); the
-    fields must be all six, by name."""
-    usage = object.__new__(ResourceUsage)
-    usage.__dict__.update(fields)
-    return usage
-
-
 @dataclass
 class RunProcsResult:
     """Results of a completed run, all mapped by local rank.
@@ -75,14 +63,20 @@ class RunProcsResult:
         return len(self.failures) > 0
 
 
-def run_procs_result(**fields: Any) -> RunProcsResult:
-    """``RunProcsResult(**fields)``, made without running the dataclass's
-    ``__init__``, for the result made between the deciding exit and
-    ``wait()``'s return (as :func:`resource_usage`); the fields must be all
-    five, by name."""
-    result = object.__new__(RunProcsResult)
-    result.__dict__.update(fields)
-    return result
+_Made = TypeVar("_Made")
+
+
+def made_without_init(cls: type[_Made], **fields: Any) -> _Made:
+    """``cls(**fields)`` for a dataclass, made without running its
+    ``__init__`` (for a frozen one, a Python call per field).  wait()'s
+    results and usages are made this way between the deciding exit and
+    ``wait()``'s return, where each call runs cold (docs/profiles.md, "The
+    finish in fewer calls").  The instance is the same as the class makes
+    (fields, equality, hash, repr, pickle) when ``fields`` are all of the
+    class's, by name, and none has a ``__post_init__`` to run."""
+    made = object.__new__(cls)
+    made.__dict__.update(fields)
+    return made
 
 
 class TeeTail:
