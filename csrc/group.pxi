@@ -8,6 +8,16 @@ cdef inline int decided_flags(bint until_decided, bint fail_fast) noexcept:
     return TORCHMP_WAIT_DECIDED | (TORCHMP_WAIT_FAIL_FAST if fail_fast else 0)
 
 
+cdef inline bint same_proc_info(const torchmp_proc_info *a, const torchmp_proc_info *b) noexcept:
+    """Whether two copies of a rank's record say the same (field by field:
+    the struct's padding is not part of it)."""
+    return (a.state == b.state and a.pid == b.pid and a.wait_status == b.wait_status
+            and a.start_mono_ns == b.start_mono_ns and a.exit_mono_ns == b.exit_mono_ns
+            and a.exit_real_ns == b.exit_real_ns and a.utime_ns == b.utime_ns and a.stime_ns == b.stime_ns
+            and a.maxrss_kb == b.maxrss_kb and a.out_log_errno == b.out_log_errno
+            and a.err_log_errno == b.err_log_errno and a.status_lost == b.status_lost)
+
+
 cdef class Group:
     """The native side of one PContext: its ranks, their streams and exits.
 
@@ -32,6 +42,12 @@ cdef class Group:
     # Calls that run without the GIL right now; release() waits for them.
     cdef int users
     cdef bint release_pending
+    # The last snapshot's records, C and Python: a rank whose record has not
+    # changed since is handed out as the same ProcInfo, so a snapshot after
+    # the last exit makes one record, not one per rank (that snapshot runs
+    # between the exit and wait()'s return; docs/profiles.md).
+    cdef torchmp_proc_info *seen
+    cdef list seen_infos
 
     def __cinit__(self, int nprocs, list out_filters=None, int filtered_out_fd=-1,
                   list err_filters=None, int filtered_err_fd=-1):
@@ -45,8 +61,10 @@ cdef class Group:
         self.owner_pid = self_pid()
         self.forked_pid = <pid_t *>calloc(nprocs if nprocs > 0 else 1, sizeof(pid_t))
         self.forked_by_forkserver = <bint *>calloc(nprocs if nprocs > 0 else 1, sizeof(bint))
-        if self.forked_pid == NULL or self.forked_by_forkserver == NULL:
+        self.seen = <torchmp_proc_info *>calloc(nprocs if nprocs > 0 else 1, sizeof(torchmp_proc_info))
+        if self.forked_pid == NULL or self.forked_by_forkserver == NULL or self.seen == NULL:
             raise MemoryError()
+        self.seen_infos = [None] * nprocs if nprocs > 0 else []
         try:
             if out_filters is not None:
                 filters_fill(&out_n, out_filters, keep)
@@ -69,6 +87,7 @@ cdef class Group:
             self.g = NULL
         free(self.forked_pid)
         free(self.forked_by_forkserver)
+        free(self.seen)
 
     def release(self):
         """Hand the group back to the I/O thread, which frees it (and its
@@ -444,16 +463,21 @@ cdef class Group:
         cdef uint64_t version
         cdef int i
         cdef torchmp_proc_info *info = self._infos(&version)
+        cdef list seen_infos = self.seen_infos
+        cdef list ranks = []
         try:
             make = tuple.__new__
             cls = ProcInfo
-            ranks = [
-                make(cls, (info[i].state, info[i].pid, info[i].wait_status, info[i].start_mono_ns,
-                           info[i].exit_mono_ns, info[i].exit_real_ns, info[i].utime_ns,
-                           info[i].stime_ns, info[i].maxrss_kb, info[i].out_log_errno,
-                           info[i].err_log_errno, bool(info[i].status_lost)))
-                for i in range(self.nprocs)
-            ]
+            for i in range(self.nprocs):
+                record = seen_infos[i]
+                if record is None or not same_proc_info(&info[i], &self.seen[i]):
+                    record = make(cls, (info[i].state, info[i].pid, info[i].wait_status, info[i].start_mono_ns,
+                                        info[i].exit_mono_ns, info[i].exit_real_ns, info[i].utime_ns,
+                                        info[i].stime_ns, info[i].maxrss_kb, info[i].out_log_errno,
+                                        info[i].err_log_errno, bool(info[i].status_lost)))
+                    seen_infos[i] = record
+                    self.seen[i] = info[i]
+                ranks.append(record)
         finally:
             free(info)
         return version, ranks
@@ -586,6 +610,15 @@ cdef class Group:
         if self.g == NULL:
             raise ValueError("worker group is closed")
         return bool(torchmp_group_decided(self.g, fail_fast, &version, &left))
+
+    def left(self):
+        """How many ranks have not exited (as recorded so far)."""
+        cdef uint64_t version = 0
+        cdef int left = 0
+        if self.g == NULL:
+            raise ValueError("worker group is closed")
+        torchmp_group_decided(self.g, False, &version, &left)
+        return left
 
     def watch(self, Notifier notifier not None, uint64_t token, bint until_decided=False, bint fail_fast=True):
         """Post NOTE_CHANGED with token to notifier whenever the change

@@ -86,6 +86,88 @@ def test_a_clean_result_is_the_dataclass_s_own(tmp_path):
     assert result.return_values == {0: 1}
 
 
+def _exited(pid: int) -> bool:
+    """Whether pid has exited (a zombie, or gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except FileNotFoundError:
+        return True
+
+
+def _wait_exited(ctx, rank: int) -> None:
+    deadline = time.monotonic() + 30
+    while ctx._group.snapshot()[1][rank].state != torchmp._core.PROC_EXITED:
+        assert time.monotonic() < deadline, f"rank {rank} did not exit"
+        time.sleep(0.005)
+
+
+def test_a_snapshot_hands_out_an_unchanged_rank_s_record_again(tmp_path):
+    # The snapshot after the last exit makes that rank's record only (it
+    # runs cold there): an unchanged rank's record is the same object, a
+    # changed one's is new and says what changed.
+    flag = tmp_path / "go"
+    ctx = launch("sh", {0: ("-c", "exit 0"), 1: ("-c", f"while [ ! -e {flag} ]; do sleep 0.01; done; exit 4")},
+                 log_dir=tmp_path / "logs")
+    try:
+        _wait_exited(ctx, 0)
+        _, first = ctx._group.snapshot()
+        _, again = ctx._group.snapshot()
+        assert again[0] is first[0] and again[1] is first[1]
+        assert first[1].state == torchmp._core.PROC_RUNNING
+        flag.touch()
+        _wait_exited(ctx, 1)
+        _, last = ctx._group.snapshot()
+        assert last[0] is first[0] and last[1] is not first[1]
+        assert last[1].pid == first[1].pid and last[1].wait_status >> 8 == 4 and last[1].exit_mono_ns > 0
+    finally:
+        flag.touch()
+        result = ctx.wait(30)
+        ctx.close()
+    assert result.failures[1].exitcode == 4
+
+
+@pytest.mark.parametrize("last, others", [(0, "exit 0"), (2, "sleep 0.1"), (1, "sleep 0.1")])
+def test_the_clean_result_is_made_while_the_last_rank_runs(tmp_path, monkeypatch, last, others):
+    # wait() takes in the other ranks' exits when one is left (before its
+    # sleep, or woken for it), and drafts the clean result then; after the
+    # last exit it only adds that rank's usage.  The result is the same as
+    # the long way makes, in rank order.
+    from torchmp import _native
+
+    made = []
+    real = _native.made_without_init
+
+    def spy(cls, **fields):
+        made.append((cls.__name__, _exited(pids[last])))
+        return real(cls, **fields)
+
+    monkeypatch.setattr(_native, "made_without_init", spy)
+    args = {rank: ("-c", "sleep 0.3" if rank == last else others) for rank in range(3)}
+    ctx = launch("sh", args, log_dir=tmp_path)
+    pids = ctx.pids()
+    result = ctx.wait(30)
+    ctx.close()
+    assert ("RunProcsResult", False) in made and ("RunProcsResult", True) not in made, made
+    assert not result.is_failed() and result.return_values == {0: None, 1: None, 2: None}
+    assert list(result.resources) == [0, 1, 2]
+    assert {rank: usage.pid for rank, usage in result.resources.items()} == pids
+    assert result.resources[last].wall_time >= 0.25 and result.resources[last].exitcode == 0
+    assert result == RunProcsResult(return_values={0: None, 1: None, 2: None}, failures={},
+                                    stdouts=result.stdouts, stderrs=result.stderrs,
+                                    resources=result.resources)
+
+
+def test_a_drafted_result_gives_way_to_the_last_rank_s_failure(tmp_path):
+    # The draft made while one rank is left is for a clean end only.
+    ctx = launch("sh", {0: ("-c", "sleep 0.3; exit 3"), 1: ("-c", "exit 0"), 2: ("-c", "exit 0")},
+                 log_dir=tmp_path)
+    result = ctx.wait(30)
+    ctx.close()
+    assert result.is_failed() and sorted(result.failures) == [0] and result.failures[0].exitcode == 3
+    assert list(result.resources) == [0, 1, 2] and result.resources[0].exitcode == 3
+
+
 def test_a_subclass_asked_about_clean_exits_is_still_asked(tmp_path):
     # The clean result skips _clean_exit_problems only where the class
     # finds none there (the base's): an override still turns a rank that

@@ -126,6 +126,9 @@ class _NativeContext(PContext):
         # Exited ranks' ResourceUsage, by rank, with the snapshot it was made
         # from (_usage).
         self._usages: dict[int, tuple[_core.ProcInfo, ResourceUsage]] = {}
+        # The clean result drafted while one rank is left (_take_in): that
+        # rank, the snapshot the draft was made from, the draft.
+        self._draft: tuple[int, list[_core.ProcInfo], RunProcsResult] | None = None
         # The OOM killer's count at start, to name its kills (None: unknown).
         self._oom_watch: _oom.OomWatch | None = None
         # Whether close() found a SIGKILL torchmp did not send, to explain.
@@ -366,6 +369,18 @@ class _NativeContext(PContext):
         # (This runs between the deciding exit and wait()'s return, after a
         # sleep that left the caches cold: every step it does not take
         # counts.  See docs/profiles.md.)
+        draft = self._draft
+        if draft is not None:
+            self._draft = None
+            left, taken, result = draft
+            last = ranks[left]
+            # The snapshot hands out an unchanged rank's record as the same
+            # object: the list compares by identity first, rank by rank.
+            if (last.state == _core.PROC_EXITED and not last.wait_status and not last.out_log_errno
+                    and not last.err_log_errno and not self._checks_clean_exits and ranks[:left] == taken[:left]
+                    and ranks[left + 1:] == taken[left + 1:]):
+                result.resources[left] = self._usage(left, last)
+                return result
         resources, all_clean = self._resources(ranks)
         if all_clean and not self._checks_clean_exits:
             # The common end: every rank exited 0, its logs whole.
@@ -469,27 +484,50 @@ class _NativeContext(PContext):
             if info.wait_status or info.out_log_errno or info.err_log_errno:
                 clean = False
             kept = known.get(rank)
-            if kept is not None and kept[0] == info:
-                resources[rank] = kept[1]
-                continue
-            status = info.wait_status
-            usage = made_without_init(
-                ResourceUsage,
-                pid=info.pid,
-                exitcode=exitcode(status) if status else 0,
-                wall_time=(info.exit_mono_ns - info.start_mono_ns) / 1e9,
-                user_time=info.utime_ns / 1e9,
-                system_time=info.stime_ns / 1e9,
-                max_rss=info.maxrss_kb * 1024,
-            )
-            known[rank] = (info, usage)
-            resources[rank] = usage
+            # (An unchanged rank's record is the same object: see the draft.)
+            resources[rank] = kept[1] if kept is not None and kept[0] is info else self._usage(rank, info)
         return resources, clean
+
+    def _usage(self, rank: int, info: _core.ProcInfo) -> ResourceUsage:
+        """The ResourceUsage of an exited rank, as its record says (kept
+        with it)."""
+        status = info.wait_status
+        usage = made_without_init(
+            ResourceUsage,
+            pid=info.pid,
+            exitcode=exitcode(status) if status else 0,
+            wall_time=(info.exit_mono_ns - info.start_mono_ns) / 1e9,
+            user_time=info.utime_ns / 1e9,
+            system_time=info.stime_ns / 1e9,
+            max_rss=info.maxrss_kb * 1024,
+        )
+        self._usages[rank] = (info, usage)
+        return usage
 
     def _take_in(self, ranks: list[_core.ProcInfo]) -> None:
         """What the result will say of the ranks exited so far, made while
-        others still run."""
-        self._resources(ranks)
+        one still runs: their usages, and if they all exited clean, the
+        clean result but for the last rank's usage (_build_result completes
+        it if that rank exits clean too and nothing else changed)."""
+        resources, _ = self._resources(ranks)
+        if self._checks_clean_exits:
+            return
+        exited = _core.PROC_EXITED
+        left = -1
+        for rank, info in enumerate(ranks):
+            if info.state != exited:
+                if left >= 0:
+                    return
+                left = rank
+            elif info.wait_status or info.out_log_errno or info.err_log_errno:
+                return
+        if left < 0:
+            return
+        # The last rank's place is kept in rank order until its usage comes.
+        resources = {rank: resources.get(rank) for rank in range(len(ranks))}  # type: ignore[misc]
+        self._draft = (left, ranks, made_without_init(
+            RunProcsResult, return_values=self._return_values(), failures={}, stdouts=self.stdouts,
+            stderrs=self.stderrs, resources=resources))
 
     def wait(self, timeout: float = -1, period: float = 1) -> RunProcsResult | None:
         """Like torch's ``wait`` but event-driven: it returns as soon as the
@@ -512,6 +550,11 @@ class _NativeContext(PContext):
                 result = self._poll()
                 if result is not None:
                     return result
+                if self._draft is None and group.left() == 1:
+                    # One rank is left already (the only one, or the
+                    # others exited before this wait): the sleep below
+                    # wakes for its exit only, so take in now.
+                    self._take_in(self._snapshot()[1])
             if deadline is None:
                 remaining = -1.0
             else:
