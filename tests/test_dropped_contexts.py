@@ -75,6 +75,44 @@ def test_dropped_contexts_leave_no_zombies(tmp_path, kind):
                 os.kill(pid, 9)
 
 
+@pytest.mark.parametrize("closed", [False, True])
+def test_a_context_going_runs_no_python_code_of_torchmp(tmp_path, closed):
+    """A context becomes garbage at any allocation, in any thread.  Python
+    code run then (a weak reference's callback) is where a handled signal's
+    exception would be lost ("Exception ignored in ..."): the context's
+    going runs none, its registry entry is queued by a C call and taken at
+    the next launch, which still reaps what a dropped context left."""
+    ctx = _launch("binary", str(tmp_path / "dropped"))
+    pids = list(ctx.pids().values())
+    if closed:
+        assert not ctx.wait(30).is_failed()
+        ctx.close()
+    ran: list[str] = []
+
+    def hook(frame, event, arg):
+        if event == "call" and "/torchmp/" in frame.f_code.co_filename:
+            ran.append(frame.f_code.co_name)
+
+    try:
+        sys.setprofile(hook)
+        try:
+            del ctx  # (a binary context holds no cycle: it goes here)
+        finally:
+            sys.setprofile(None)
+        assert ran == []
+        assert wait_gone(pids, 20.0) == []
+        last = _launch("binary", str(tmp_path / "last"))
+        assert not last.wait(30).is_failed()
+        last.close()
+        children = _children()
+        assert [pid for pid, state in children.items() if state == "Z"] == []
+        assert not any(pid in children for pid in pids)
+    finally:
+        for pid in pids:
+            if pid_alive(pid):
+                os.kill(pid, 9)
+
+
 DROP_SCRIPT = """
     import gc, os, sys, time
     import torchmp

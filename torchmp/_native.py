@@ -119,6 +119,8 @@ class _NativeContext(PContext):
         self._abandoned: set[int] = set()
         # The last snapshot, kept once close() has released the native group.
         self._final: tuple[int, list[_core.ProcInfo]] | None = None
+        # This context's entry in torchmp._orphans, from the start.
+        self._registration: _orphans.Registration | None = None
         self._forwarder: _console.Forwarder | None = None
         # Failed ranks' stderr tails, taken from the native group before it
         # is released: (bytes, whether the bound cut older bytes).
@@ -280,7 +282,7 @@ class _NativeContext(PContext):
                 self._forwarder = _console.Forwarder(objects)
                 _console.track(self._forwarder)
             self._group = _core.Group(self.nprocs, filtered[0][0], filtered[0][1], filtered[1][0], filtered[1][1])
-            _orphans.watch(self, self.name, self._group, self._launcher, self._forwarder)
+            self._registration = _orphans.watch(self, self.name, self._group, self._launcher, self._forwarder)
             # From before any rank runs: what the OOM killer did meanwhile,
             # for a later SIGKILL that torchmp did not send.
             self._oom_watch = _oom.start_watch()
@@ -776,7 +778,8 @@ class _NativeContext(PContext):
         # Closed before the release: an interrupt landing in between must not
         # make a retried close() use a released group.
         self._closed = True
-        _orphans.forget(self)
+        if self._registration is not None:
+            _orphans.forget(self._registration)
         group.release()
 
     def _unsent_sigkills(self, ranks: list[_core.ProcInfo]) -> bool:

@@ -6,10 +6,11 @@ closing it (``live_contexts``).  A context pins its ranks' pids until
 ``close()`` (their zombies stay, so that no signal of the context can reach a
 process that reused a pid).  Once the context is unreachable nothing can
 signal through it any more, so its native group becomes an :class:`Orphan`
-(the callback of a weak reference to the context, which holds the group, not
-the context).  An orphan whose ranks have all exited, leaving nothing in
-their process groups, is reaped and released at the next launch, so dropped
-contexts do not pile up zombies (torch's reap at its next launch too).
+(a weak reference to the context, which holds the group, not the context,
+is queued when the context goes, and taken at the next launch).  An orphan
+whose ranks have all exited, leaving nothing in their process groups, is
+reaped and released at the next launch, so dropped contexts do not pile up
+zombies (torch's reap at its next launch too).
 Whatever still runs at interpreter exit is stopped the way ``close()`` stops
 it (death signal, grace, SIGKILL), as it was before.
 """
@@ -74,50 +75,83 @@ class Orphan:
         group.release()
 
 
-# Groups of dropped contexts, until reaped (appended by the finalizers, which
-# may run in any thread at any allocation: they only append).
+# Groups of dropped contexts, until reaped.
 _orphans: list[Orphan] = []
-# One reaper at a time (a finalizer never takes it).
+# One reaper at a time.
 _reaping = threading.Lock()
 
 
-# Contexts started and not closed yet, by id(): a weak reference each, whose
-# callback makes the context's group an orphan if the context becomes
-# garbage first.  forget() drops the reference, and with it the callback.
-# One registry for both questions (which contexts to close at exit, which
-# groups were dropped): they are the same set of contexts.
-_live: dict[int, weakref.ref[Any]] = {}
+class Registration(weakref.ref):  # type: ignore[type-arg]
+    """A started context's entry in the registry, which the context holds:
+    a weak reference to it, queued on _gone when the context goes."""
+
+    __slots__ = ("orphan", "closed")
+    orphan: Orphan
+    closed: bool
+    # By identity, in C (not by the context's own equality, nor by a Python
+    # method that would run where a signal's exception can be lost).
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__
 
 
-def watch(context: Any, name: str, group: _core.Group, launcher: Launch, forwarder: Forwarder | None) -> None:
-    """``context`` is live until ``forget(context)``; if it becomes garbage
-    before that, ``group`` becomes an orphan."""
-    key = id(context)
-    orphan = Orphan(name, group, launcher, forwarder)
-
-    # (The containers are bound now: at interpreter teardown this may run
-    # after the module's globals are gone.)
-    def dropped(ref: weakref.ref[Any], live: dict[int, weakref.ref[Any]] = _live,
-                orphans: list[Orphan] = _orphans) -> None:
-        if live.get(key) is ref:  # (the id is not reused before this runs)
-            del live[key]
-        orphans.append(orphan)
-
-    _live[key] = weakref.ref(context, dropped)
+# Started contexts' registrations, until their context goes (an ordered set:
+# the exit closes them in launch order).  One registry for both questions
+# (which contexts to close at exit, which groups were dropped): they are
+# the same set of contexts.
+_live: dict[Registration, None] = {}
+# The registrations of contexts that went, until taken (_take_gone).  The
+# callback is this list's append: no Python code runs when a context goes,
+# which may be at any allocation in any thread, so a handled signal that
+# comes then raises in the code that was running rather than being lost in
+# a callback.  close() only marks its registration (forget); the
+# registration and its orphan go with the context, so nothing is freed on
+# the way from the last exit to wait()'s return (docs/profiles.md).
+_gone: list[Registration] = []
 
 
-def forget(context: Any) -> None:
-    """``context`` was closed: not live any more, never an orphan."""
-    _live.pop(id(context), None)
+def watch(context: Any, name: str, group: _core.Group, launcher: Launch,
+          forwarder: Forwarder | None) -> Registration:
+    """``context`` is live until ``forget`` of the registration returned
+    (which the context keeps); if it becomes garbage before that,
+    ``group`` becomes an orphan."""
+    registration = Registration(context, _gone.append)
+    registration.orphan = Orphan(name, group, launcher, forwarder)
+    registration.closed = False
+    _live[registration] = None
+    return registration
+
+
+def forget(registration: Registration) -> None:
+    """Its context was closed: not live any more, never an orphan."""
+    registration.closed = True
 
 
 def live_contexts() -> list[Any]:
     """The contexts started and not closed yet (that are still reachable)."""
-    return [c for c in (ref() for ref in list(_live.values())) if c is not None]
+    return [c for c in (r() for r in list(_live) if not r.closed) if c is not None]
+
+
+def _take_gone() -> None:
+    """The groups of contexts that went unclosed become orphans; every gone
+    context leaves the registry.  Safe from any thread, and against a
+    signal anywhere in it: an orphan is then listed twice (harmless), never
+    lost."""
+    while _gone:
+        registration = _gone[0]
+        if not registration.closed:
+            _orphans.append(registration.orphan)
+            registration.closed = True
+        _live.pop(registration, None)
+        try:
+            _gone.remove(registration)
+        except ValueError:  # (taken by another thread meanwhile)
+            pass
 
 
 def reap_finished() -> None:
     """Reap and release every orphan with nothing left to stop."""
+    if _gone:
+        _take_gone()
     if not _orphans or not _reaping.acquire(blocking=False):
         return
     try:
@@ -141,6 +175,7 @@ def stop_all(death_sig: signal.Signals, timeout: float) -> None:
     short with SIGKILL, as for the live contexts)."""
     from torchmp._signals import close_despite_interrupts
 
+    _take_gone()
     while _orphans:
         orphan = _orphans.pop()
         try:
@@ -153,4 +188,5 @@ def forget_after_fork() -> None:
     """A forked child has no contexts or orphans of its own: they are its
     parent's."""
     _live.clear()
+    _gone.clear()
     _orphans.clear()
