@@ -383,8 +383,8 @@ class _NativeContext(PContext):
                     and ranks[left + 1:] == taken[left + 1:]):
                 result.resources[left] = self._usage(left, last)
                 return result
-        resources, all_clean = self._resources(ranks)
-        if all_clean and not self._checks_clean_exits:
+        resources, unclean = self._resources(ranks)
+        if not unclean and not self._checks_clean_exits:
             # The common end: every rank exited 0, its logs whole.
             return made_without_init(RunProcsResult, return_values=self._return_values(), failures={},
                                      stdouts=self.stdouts, stderrs=self.stderrs, resources=resources)
@@ -470,25 +470,25 @@ class _NativeContext(PContext):
                 failure.message = why
         return failure
 
-    def _resources(self, ranks: list[_core.ProcInfo]) -> tuple[dict[int, ResourceUsage], bool]:
+    def _resources(self, ranks: list[_core.ProcInfo]) -> tuple[dict[int, ResourceUsage], int]:
         """The exited ranks' ResourceUsage, by rank, each made once for what
         the snapshot says of it (a later snapshot that says anything else
-        makes it anew); and whether every rank exited 0 with its log files
-        whole (what a result needs no failure for)."""
+        makes it anew); and how many ranks did not exit 0 with their log
+        files whole (none: a result needs no failure)."""
         known = self._usages
         resources: dict[int, ResourceUsage] = {}
-        clean = True
+        unclean = 0
         exited = _core.PROC_EXITED
         for rank, info in enumerate(ranks):
             if info.state != exited:
-                clean = False
+                unclean += 1
                 continue
             if info.wait_status or info.out_log_errno or info.err_log_errno:
-                clean = False
+                unclean += 1
             kept = known.get(rank)
             # (An unchanged rank's record is the same object: see the draft.)
             resources[rank] = kept[1] if kept is not None and kept[0] is info else self._usage(rank, info)
-        return resources, clean
+        return resources, unclean
 
     def _usage(self, rank: int, info: _core.ProcInfo) -> ResourceUsage:
         """The ResourceUsage of an exited rank, as its record says (kept
@@ -511,25 +511,15 @@ class _NativeContext(PContext):
         one still runs: their usages, and if they all exited clean, the
         clean result but for the last rank's usage (_build_result completes
         it if that rank exits clean too and nothing else changed)."""
-        resources, _ = self._resources(ranks)
-        if self._checks_clean_exits:
+        resources, unclean = self._resources(ranks)
+        if unclean != 1 or len(resources) != len(ranks) - 1 or self._checks_clean_exits:
             return
-        exited = _core.PROC_EXITED
-        left = -1
-        for rank, info in enumerate(ranks):
-            if info.state != exited:
-                if left >= 0:
-                    return
-                left = rank
-            elif info.wait_status or info.out_log_errno or info.err_log_errno:
-                return
-        if left < 0:
-            return
-        # The last rank's place is kept in rank order until its usage comes.
-        resources = {rank: resources.get(rank) for rank in range(len(ranks))}  # type: ignore[misc]
+        # The last rank keeps its place in rank order until its usage comes.
+        drafted: dict[int, ResourceUsage | None] = {rank: resources.get(rank) for rank in range(len(ranks))}
+        left = next(rank for rank, usage in drafted.items() if usage is None)
         self._draft = (left, ranks, made_without_init(
             RunProcsResult, return_values=self._return_values(), failures={}, stdouts=self.stdouts,
-            stderrs=self.stderrs, resources=resources))
+            stderrs=self.stderrs, resources=drafted))
 
     def wait(self, timeout: float = -1, period: float = 1) -> RunProcsResult | None:
         """Like torch's ``wait`` but event-driven: it returns as soon as the
