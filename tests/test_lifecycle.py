@@ -148,7 +148,11 @@ def test_the_clean_result_is_made_while_the_last_rank_runs(tmp_path, monkeypatch
     pids = ctx.pids()
     result = ctx.wait(30)
     ctx.close()
-    assert ("RunProcsResult", False) in made and ("RunProcsResult", True) not in made, made
+    if not torchmp._core.PORTABLE_BUILD:
+        # (Without pidfds a rank's usage is read when its zombie is reaped,
+        # which for a rank that exited before wait() is at the close: its
+        # record changes after the draft, and the long way runs.)
+        assert ("RunProcsResult", False) in made and ("RunProcsResult", True) not in made, made
     assert not result.is_failed() and result.return_values == {0: None, 1: None, 2: None}
     assert list(result.resources) == [0, 1, 2]
     assert {rank: usage.pid for rank, usage in result.resources.items()} == pids
