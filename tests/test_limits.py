@@ -43,9 +43,13 @@ RANK = textwrap.dedent("""\
         print(f"rank {rank} got {signal.Signals(sig).name}", flush=True)
         if sig == signal.SIGTERM or sys.argv[1] == "exit":
             sys.exit(0)
+    # Held until "ready" is whole: a timed signal landing inside that print
+    # ran the handler there, and its line tore "ready" ("readyrank 1 got ...").
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGTERM})
     signal.signal(signal.SIGUSR1, on)
     signal.signal(signal.SIGTERM, on)
     print("ready", flush=True)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1, signal.SIGTERM})
     if sys.argv[1] == "fail" and rank == "1":
         sys.exit(3)
     for _ in range(1200):  # short sleeps: see test_cli_signals.RANK
