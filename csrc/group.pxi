@@ -535,19 +535,23 @@ cdef class Group:
         """Block (GIL released) until the group's change counter is no longer
         known_version (the version of the caller's last snapshot), the group
         is released, or timeout seconds pass (negative: forever).  Returns
-        True for a change.  Signal handlers run while waiting, so
-        SignalException can interrupt it; a handler may even close the
-        context meanwhile (the wait then returns True).
+        WAIT_CHANGED (1) for a change, 0 for a timeout.  Signal handlers run
+        while waiting, so SignalException can interrupt it; a handler may
+        even close the context meanwhile (the wait then returns
+        WAIT_CHANGED).
 
         until_decided: a change counts only once every rank has exited, or
         (fail_fast) one has exited with a status other than 0 -- what a
         context's wait() decides on -- so the caller is not woken to look at
         each exit before the deciding one; and, for a wait begun with more,
-        once one rank is left (decided() says which it was), for the caller
-        to take in the exits so far while that rank runs."""
+        once one rank is left, for the caller to take in the exits so far
+        while that rank runs.  A change the core found deciding returns
+        WAIT_DECIDED (2): the caller, woken cold after the last exit, need
+        not ask decided() again; WAIT_CHANGED leaves it to decided()."""
         cdef int rc, err
         cdef int watch_exits = 1
         cdef int signal_fd = -1
+        cdef bint decided = False
         # The core sleeps through the exits that decide nothing, and says
         # after each wake-up whether they decided (_moved_undecided).
         cdef int flags = decided_flags(until_decided, fail_fast)
@@ -562,7 +566,7 @@ cdef class Group:
             PyErr_CheckSignals()
             while True:
                 if self.release_pending:
-                    return True
+                    return WAIT_CHANGED
                 if deadline is None:
                     wait_ns = -1
                 else:
@@ -575,27 +579,30 @@ cdef class Group:
                 if rc < 0 and err != EINTR:
                     raise OSError(err, strerror(err).decode())
                 if rc > 0:
-                    if not until_decided or self.release_pending or not self._moved_undecided(&known_version,
-                                                                                              fail_fast):
-                        return True
+                    if not until_decided or self.release_pending:
+                        return WAIT_CHANGED
+                    if not self._moved_undecided(&known_version, fail_fast, &decided):
+                        return WAIT_DECIDED if decided else WAIT_CHANGED
                 if rc < 0:
                     signal_wake_empty(signal_fd, None)
                 # A signal may have arrived while the wait did not sleep.
                 PyErr_CheckSignals()
                 if rc == 0 and (wait_ns == 0 or deadline is not None and time.monotonic() >= deadline):
-                    return False
+                    return 0
         finally:
             signal_wake_end(signal_fd)
             self._leave()
 
-    cdef bint _moved_undecided(self, uint64_t *known_version, bint fail_fast):
+    cdef bint _moved_undecided(self, uint64_t *known_version, bint fail_fast, bint *decided):
         """After a change: whether it only recorded exits that decide
         nothing and leave more than one rank running (then *known_version is
         the new counter, to wait on).  A wake with the counter unmoved (an
-        interrupt), or with one rank left, is for the caller."""
+        interrupt), or with one rank left, is for the caller; *decided says
+        whether the exits recorded decide the result."""
         cdef uint64_t version = 0
         cdef int left = 0
-        if torchmp_group_decided(self.g, fail_fast, &version, &left) or version == known_version[0] or left <= 1:
+        decided[0] = torchmp_group_decided(self.g, fail_fast, &version, &left) != 0
+        if decided[0] or version == known_version[0] or left <= 1:
             return False
         known_version[0] = version
         return True

@@ -633,7 +633,8 @@ def test_the_waiting_thread_sleeps_through_the_exits_that_decide_nothing(tmp_pat
 def test_a_wait_for_the_deciding_exit_is_woken_once_when_one_rank_is_left(tmp_path):
     # The core's side of the look above, on either backend: a wait begun
     # with more than one rank running returns when one is left, undecided;
-    # a wait begun with one left sleeps until that rank's exit decides.
+    # a wait begun with one left sleeps until that rank's exit decides, and
+    # says so (WAIT_DECIDED), which saves the woken caller a decided() call.
     # Ranks 0 and 1 exit 0 once the test makes the file `go`, not after a
     # fixed time: under a sanitizer with lanes beside it, a launch can take
     # longer than any sleep short enough for a unit test.
@@ -645,15 +646,18 @@ def test_a_wait_for_the_deciding_exit_is_woken_once_when_one_rank_is_left(tmp_pa
         version, ranks = group.snapshot()
         assert [info.state for info in ranks] == [torchmp._core.PROC_RUNNING] * 3
         go.touch()
-        assert group.wait(20, version, True, True) is True
+        assert group.wait(20, version, True, True) == torchmp._core.WAIT_CHANGED == 1
         assert not group.decided(True)
         version, ranks = group.snapshot()
         assert [info.state for info in ranks] == [torchmp._core.PROC_EXITED] * 2 + [torchmp._core.PROC_RUNNING]
         t0 = time.monotonic()
-        assert group.wait(0.5, version, True, True) is False
+        assert group.wait(0.5, version, True, True) == 0
         assert time.monotonic() - t0 >= 0.5
         os.kill(ranks[2].pid, signal.SIGKILL)  # the deciding exit
-        assert group.wait(20, version, True, True) is True and group.decided(True)
+        assert group.wait(20, version, True, True) == torchmp._core.WAIT_DECIDED == 2
+        assert group.decided(True)
+        # Without until_decided a change is only a change.
+        assert group.wait(20, version) == torchmp._core.WAIT_CHANGED
     finally:
         ctx.close(signal.SIGKILL, 0)
 

@@ -560,7 +560,9 @@ class _NativeContext(PContext):
                 woken = group.wait(remaining, version, True, self.kill_on_bad_exit)
                 version = None  # (a timeout: one more look before giving up)
                 if woken:
-                    if group.decided(self.kill_on_bad_exit):
+                    # (WAIT_DECIDED: the core applied the rule as it woke;
+                    # asking again would be one more call run cold.)
+                    if woken == _core.WAIT_DECIDED or group.decided(self.kill_on_bad_exit):
                         return self._result if self._result is not None else self._finish()
                     if not self._closed:
                         # Once, when one rank is left: take in the others'
