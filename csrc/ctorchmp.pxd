@@ -204,6 +204,7 @@ cdef extern from "torchmp.h" nogil:
     int torchmp_group_signal(torchmp_group *g, int sig, const unsigned char *which, int only_running,
                              unsigned char *sent)
     int torchmp_group_busy(torchmp_group *g, unsigned char *busy)
+    int torchmp_group_quiet(torchmp_group *g, int unless_killed)
     int torchmp_group_reap(torchmp_group *g, pid_t *forkserver_pids, int cap)
     int torchmp_collect_exit(pid_t pid, int *status, int64_t *utime_ns, int64_t *stime_ns, int64_t *maxrss_kb)
     int torchmp_keeper_set_helper(const char *path)

@@ -1,5 +1,11 @@
 # Included by _core.pyx: Group, the native side of one PContext.
 
+cdef enum:
+    # Up to this many ranks, a snapshot's records and the reap's pids are
+    # copied to the stack, not to the heap: the close and the snapshot after
+    # the last exit run cold, and allocate only what they hand out.
+    SMALL_GROUP = 16
+
 cdef inline int decided_flags(bint until_decided, bint fail_fast) noexcept:
     """torchmp_group_wait's and torchmp_group_watch's flags for a waiter
     that wants the deciding change only (0: every change)."""
@@ -462,7 +468,15 @@ cdef class Group:
     cdef tuple _snapshot(self):
         cdef uint64_t version
         cdef int i
-        cdef torchmp_proc_info *info = self._infos(&version)
+        # (A small group's records are copied to the stack: the snapshot
+        # after the last exit allocates nothing but what it hands out.)
+        cdef torchmp_proc_info small[SMALL_GROUP]
+        cdef torchmp_proc_info *info
+        if self.nprocs <= SMALL_GROUP:
+            info = small
+            version = torchmp_group_snapshot(self.g, info, self.nprocs)
+        else:
+            info = self._infos(&version)
         cdef list seen_infos = self.seen_infos
         cdef list ranks = []
         try:
@@ -479,21 +493,9 @@ cdef class Group:
                     self.seen[i] = info[i]
                 ranks.append(record)
         finally:
-            free(info)
+            if info != small:
+                free(info)
         return version, ranks
-
-    cdef bint _any_killed(self) except -1:
-        """Whether a rank's recorded exit was a death by SIGKILL."""
-        cdef uint64_t version
-        cdef int i
-        cdef torchmp_proc_info *info = self._infos(&version)
-        try:
-            for i in range(self.nprocs):
-                if info[i].state == TORCHMP_PROC_EXITED and (info[i].wait_status & 0x7f) == SIGKILL:
-                    return True
-            return False
-        finally:
-            free(info)
 
     def stream_state(self):
         """[StreamState] per rank: whether each teed pipe is still drained,
@@ -702,17 +704,20 @@ cdef class Group:
         return self._reap()
 
     cdef list _reap(self):
-        cdef pid_t *forkserver_pids
+        cdef pid_t small[SMALL_GROUP]
+        cdef pid_t *forkserver_pids = small
         cdef int i, n
-        forkserver_pids = <pid_t *>calloc(self.nprocs if self.nprocs else 1, sizeof(pid_t))
-        if forkserver_pids == NULL:
-            raise MemoryError()
+        if self.nprocs > SMALL_GROUP:
+            forkserver_pids = <pid_t *>calloc(self.nprocs, sizeof(pid_t))
+            if forkserver_pids == NULL:
+                raise MemoryError()
         try:
             n = torchmp_group_reap(self.g, forkserver_pids, self.nprocs)
             check(n, b"reaping")
             return [forkserver_pids[i] for i in range(n)]
         finally:
-            free(forkserver_pids)
+            if forkserver_pids != small:
+                free(forkserver_pids)
 
     def finish_streams(self):
         """Drain buffered output, flush partial lines and close every tee
@@ -745,7 +750,7 @@ cdef class Group:
         self._ours()
         if self._any_forked():
             self.adopt_forked()  # (what torchmp._launch.adopt_interrupted asks for)
-        if self._busy() or (unless_killed and self._any_killed()):
+        if not check(torchmp_group_quiet(self.g, unless_killed), b"scanning the workers' process groups"):
             return None
         forkserver_pids = self._reap()
         self._finish_streams()

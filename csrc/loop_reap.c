@@ -740,6 +740,54 @@ int torchmp_group_busy(torchmp_group *g, unsigned char *busy)
     return count;
 }
 
+/* The pinned groups of a context up to this size are looked at from the
+ * stack: the quiet close of a small context allocates nothing (it runs on
+ * the path from the last exit to wait()'s return, where each step is cold). */
+#define QUIET_STACK_RANKS 16
+
+int torchmp_group_quiet(torchmp_group *g, int unless_killed)
+{
+    torchmp_loop *L = g->loop;
+    pid_t stack_pgids[QUIET_STACK_RANKS];
+    unsigned char stack_alive[QUIET_STACK_RANKS];
+    pid_t *pgids = stack_pgids;
+    unsigned char *alive = stack_alive;
+    int n = 0, quiet = 1;
+
+    if (g->nprocs > QUIET_STACK_RANKS) {
+        pgids = malloc((size_t)g->nprocs * sizeof(pid_t));
+        alive = malloc((size_t)g->nprocs);
+        if (pgids == NULL || alive == NULL) {
+            free(pgids);
+            free(alive);
+            errno = ENOMEM;
+            return -1;
+        }
+    }
+    pthread_mutex_lock(&L->mu);
+    for (int i = 0; i < g->nprocs; i++) {
+        const torchmp_proc *p = &g->procs[i];
+        if (p->info.state == TORCHMP_PROC_RUNNING ||
+            (unless_killed && p->info.state == TORCHMP_PROC_EXITED && WIFSIGNALED(p->info.wait_status) &&
+             WTERMSIG(p->info.wait_status) == SIGKILL)) {
+            quiet = 0;
+            break;
+        }
+        if (proc_pinned_locked(p))
+            pgids[n++] = p->info.pid;
+    }
+    pthread_mutex_unlock(&L->mu);
+    /* A group whose leader is a zombie: anything else still alive in it
+     * (as torchmp_group_busy looks; without /proc the answer is "no"). */
+    if (quiet && n > 0 && torchmp_pgroups_alive(pgids, n, alive) > 0)
+        quiet = 0;
+    if (pgids != stack_pgids) {
+        free(pgids);
+        free(alive);
+    }
+    return quiet;
+}
+
 int torchmp_group_reap(torchmp_group *g, pid_t *forkserver_pids, int cap)
 {
     torchmp_loop *L = g->loop;

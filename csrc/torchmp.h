@@ -608,6 +608,12 @@ int torchmp_group_signal(torchmp_group *g, int sig, const unsigned char *which, 
  * number of busy ranks, or -1 with errno. */
 int torchmp_group_busy(torchmp_group *g, unsigned char *busy);
 
+/* Whether close() has nothing to stop: 1 when no rank runs and nothing
+ * lives on in an exited rank's process group, and (unless_killed) no rank
+ * died of SIGKILL; else 0.  torchmp_group_busy and the records' look in
+ * one, with no allocation for a small group. */
+int torchmp_group_quiet(torchmp_group *g, int unless_killed);
+
 /* torchmp will not signal the group again: reap every exited rank's zombie.
  * Forkserver workers are the forkserver's to reap: up to cap of their pids
  * go to forkserver_pids[] for the caller to hand back; returns their count. */
