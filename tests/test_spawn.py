@@ -220,6 +220,29 @@ def test_env_inherits_and_overrides_and_casts(tmp_path, monkeypatch):
     assert out == b"parent child 0 True\n"
 
 
+def test_each_launch_sees_the_launcher_s_environment_as_it_is_then(tmp_path, monkeypatch):
+    # The envp entries are reused while the environment compares equal: a
+    # variable set, changed or removed between launches must still show.
+    entry, args = python_worker("import os; print(os.environ.get('TORCHMP_TEST_CHANGING', '-'))")
+    monkeypatch.delenv("TORCHMP_TEST_CHANGING", raising=False)
+    seen = []
+    for step, value in enumerate(["one", "two", None, "two", None]):
+        if value is None:
+            monkeypatch.delenv("TORCHMP_TEST_CHANGING", raising=False)
+        else:
+            monkeypatch.setenv("TORCHMP_TEST_CHANGING", value)
+        for envs in ({}, {"LOCAL_RANK": 0}):  # (with nothing on top, and with)
+            ctx = launch(entry, {0: args}, {0: envs}, log_dir=tmp_path / f"logs{step}-{len(envs)}",
+                         redirects=Std.ALL)
+            try:
+                result = ctx.wait(30)
+            finally:
+                ctx.close()
+            assert result is not None and not result.is_failed()
+            seen.append(open(result.stdouts[0], "rb").read())
+    assert seen == [b"one\n"] * 2 + [b"two\n"] * 2 + [b"-\n"] * 2 + [b"two\n"] * 2 + [b"-\n"] * 2
+
+
 @pytest.mark.parametrize("env, needle", [
     ({"A=B": "x"}, "'A=B'"),
     ({"": "x"}, "''"),
