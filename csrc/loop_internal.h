@@ -267,6 +267,8 @@ typedef struct group_waiter {
     int watches_exits;         /* does */
     int wakes_at_one_left;     /* until_decided, begun with more than one rank left:
                                 * also woken when one is left */
+    pthread_t thread;          /* the waiting thread: an exit it records itself
+                                * needs no wake-up sent to it */
     struct group_waiter *next;
 } group_waiter;
 

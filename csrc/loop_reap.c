@@ -60,11 +60,15 @@ static int waiter_woken_locked(const torchmp_group *g, const group_waiter *w)
 }
 
 /* Wake the callers sleeping in torchmp_group_wait, and post to the event
- * loops watching the group, that want this change.  Caller holds mu. */
+ * loops watching the group, that want this change.  A waiter whose own
+ * thread made the change is not posted to: it is recording an exit it was
+ * woken by, and looks at the group once that is done (torchmp_group_wait).
+ * Caller holds mu. */
 static void group_notify_locked(torchmp_group *g)
 {
+    pthread_t self = pthread_self();
     for (group_waiter *w = g->waiters; w != NULL; w = w->next) {
-        if (waiter_woken_locked(g, w))
+        if (waiter_woken_locked(g, w) && !pthread_equal(w->thread, self))
             torchmp_loop_notify_post(w->wake_w);
     }
     for (group_watcher *w = g->watchers; w != NULL; w = w->next) {
@@ -545,6 +549,7 @@ int torchmp_group_wait(torchmp_group *g, int64_t timeout_ns, uint64_t known_vers
     me.can_watch_exits = *watch_exits && L->exits != NULL;
     me.watches_exits = 0;
     me.wakes_at_one_left = 0;
+    me.thread = pthread_self();
     pthread_mutex_lock(&L->mu);
     changed = group_changed_locked(g, known_version);
     if (!changed) {

@@ -291,6 +291,13 @@ int torchmp_pgroup_surely_empty(pid_t pgid, long span)
 
     if (pgid <= 1 || last < (long)pgid || last - (long)pgid > span)
         return 0;
+    /* No pid handed out since the leader's (which its zombie still holds,
+     * so the counter cannot have come round to it): nothing can have joined
+     * its group, and nothing left in it can fork. */
+    if (last == (long)pgid) {
+        errno = saved;
+        return 1;
+    }
     for (long pid = (long)pgid + 1; pid <= last; pid++) {
         if (check_member((pid_t)pid, AT_FDCWD, NULL, &pgid, &pgid, 1, &alive) > 0) {
             errno = saved;

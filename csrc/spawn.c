@@ -226,13 +226,15 @@ int torchmp_child_setup(const torchmp_spawn_args *a, int keep_fd, int close_othe
 {
     int src[TORCHMP_CHILD_FDS];
 
-    if (setsid() < 0)
+    /* The new session's id is our pid (and our group's): no getpid(). */
+    pid_t self = setsid();
+    if (self < 0)
         return TORCHMP_STEP_SETSID;
     /* Our group in the keeper's table from now on: a launcher killed before
      * it learns our pid still takes the group -- and whatever we start --
      * with it.  (An atomic store to the shared table: async-signal-safe.) */
     if (a->keeper_slot != NULL)
-        __atomic_store_n(a->keeper_slot, (int32_t)getpid(), __ATOMIC_RELEASE);
+        __atomic_store_n(a->keeper_slot, (int32_t)self, __ATOMIC_RELEASE);
 
 #ifdef TORCHMP_HAVE_PDEATHSIG
     if (a->pdeathsig > 0) {
@@ -267,12 +269,17 @@ int torchmp_child_setup(const torchmp_spawn_args *a, int keep_fd, int close_othe
             close(src[i]);
     }
     if (close_others) {
-        /* Slots 3.. of the plan that were not asked for are closed too. */
-        for (int i = 3; i < TORCHMP_CHILD_FDS; i++) {
-            if (src[i] < 0 && !fd_kept(a->keep_fds, a->nkeep, i))
+        /* Slots 3.. of the plan that were not asked for are closed too: those
+         * above the last slot asked for with everything beyond them, in one
+         * close_range (it is on the launcher's path: a vfork parent waits). */
+        int unasked_from = TORCHMP_CHILD_FDS;
+        while (unasked_from > 3 && src[unasked_from - 1] < 0)
+            unasked_from--;
+        for (int i = 3; i < unasked_from; i++) {
+            if (src[i] < 0 && i != keep_fd && !fd_kept(a->keep_fds, a->nkeep, i))
                 close(i);
         }
-        if (child_close_fds(TORCHMP_CHILD_FDS, keep_fd, a->keep_fds, a->nkeep, a->max_fd) != 0)
+        if (child_close_fds(unasked_from, keep_fd, a->keep_fds, a->nkeep, a->max_fd) != 0)
             return TORCHMP_STEP_CLOSE_FDS;
     }
     /* pass_fds stay open across exec, at their own numbers. */

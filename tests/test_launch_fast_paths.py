@@ -3,7 +3,8 @@ answers as the long way: the OOM-killer baseline's cached cgroup follows a
 move to another cgroup and a fork, the signal handlers installed through
 CPython's C function are torch's handler, as signal.signal would install, and
 a finished launch's group is freed without a wake-up of the I/O thread of its
-own; and a first launch makes no descriptor only to throw it away."""
+own; a first launch makes no descriptor only to throw it away, and a lone
+rank's spawn and exit make no system call they need not."""
 from __future__ import annotations
 
 import json
@@ -23,7 +24,7 @@ import pytest
 from torchmp import _oom, _signals, api
 from torchmp._launch.exec import _exec_search_path, resolve_executable
 
-from helpers import run_launcher
+from helpers import can_unshare_pid, launcher_env, run_launcher
 
 CGROUP_V2 = "0::/job/a\n"
 MOUNTINFO_V2 = "30 1 0:26 / {root} rw,nosuid - cgroup2 cgroup2 rw\n"
@@ -269,3 +270,71 @@ def test_the_result_asks_the_consoles_only_once_one_was_used(tmp_path: Path) -> 
                                 "quiet_after": ["console_failure", "consoles_pending"]}, res.stdout
     # The worker's line reached the console each time (prefixed when teed).
     assert res.stdout.decode().splitlines()[:-1] == ["hello", "[w0]:hello", "hello"]
+
+
+LONE_RANKS = """
+import json, os, sys, torchmp
+d = sys.argv[1]
+ranks = []
+for i in range(6):
+    if i == 1:
+        os.umask(0o022)  # the mark: what follows is warm
+    ctx = torchmp.start_processes("w", "true", {0: ()}, {0: {}},
+                                  torchmp.DefaultLogsSpecs(log_dir=os.path.join(d, str(i))))
+    ranks.append(ctx.pids()[0])
+    assert not ctx.wait(30).is_failed()
+    ctx.close()
+print(json.dumps({"launcher": os.getpid(), "ranks": ranks[1:]}))
+"""
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
+def test_a_lone_rank_s_spawn_and_exit_make_no_call_they_need_not(tmp_path: Path) -> None:
+    # Five warm launches of one `true`, traced in a pid namespace of their
+    # own (so that no other process takes a pid meanwhile).  The vfork
+    # child, which its launcher waits for, takes its pid from setsid() and
+    # closes every descriptor it does not keep in one close_range (it used
+    # to call getpid(), close 3 and 4 one by one, then close_range from 5).
+    # The launcher, waiting for the rank, records its exit itself without
+    # waking itself through its own eventfd; and with no pid handed out
+    # since the rank's, the look for what is left in its process group
+    # before reaping it reads ns_last_pid once, not twice.
+    if not can_unshare_pid():
+        pytest.skip("no private pid namespace here (unshare --pid)")
+    trace = tmp_path / "trace"
+    res = subprocess.run([shutil.which("unshare"), "--pid", "--fork", "--mount-proc",
+                          shutil.which("strace"), "-ff", "-qq", "-ttt", "-y", "-o", str(trace), "-e",
+                          "trace=umask,getpid,close,close_range,pread64,write,vfork,execve,eventfd2",
+                          sys.executable, "-c", LONE_RANKS, str(tmp_path)],
+                         capture_output=True, timeout=120, cwd="/", env=launcher_env(),
+                         start_new_session=True)
+    assert res.returncode == 0, res.stderr.decode()
+    got = json.loads(res.stdout.decode().splitlines()[-1])
+    # One file per task (-ff): "<seconds.micros> <call>(...) = <result>".
+    tasks = {int(p.name.rsplit(".", 1)[1]): [line.split(" ", 1) for line in p.read_text().splitlines()]
+             for p in tmp_path.glob("trace.*")}
+    launcher = tasks[got["launcher"]]
+    mark = next(float(t) for t, call in launcher if call.startswith("umask("))
+    warm = [call for t, call in launcher if float(t) > mark]
+    # (Without vfork, TORCHMP_NO_VFORK, the child is a fork: its pid is
+    # looked up by the C library's fork handlers, and the pipe it reports a
+    # failed exec on splits the range it closes.)
+    if any(call.startswith("vfork(") for call in warm):
+        for rank in got["ranks"]:
+            before_exec = []
+            for _, call in tasks[rank]:
+                if call.startswith("execve("):
+                    break
+                before_exec.append(call)
+            assert before_exec, f"no trace of rank {rank}"
+            assert not [c for c in before_exec if c.startswith(("getpid(", "close("))], before_exec
+            assert len([c for c in before_exec if c.startswith("close_range(")]) == 1, before_exec
+    # The eventfds the launcher made to wait on (the I/O thread's own, made
+    # before the mark, is written to when a command is handed to it).
+    waits = {m[1] for call in warm if (m := re.match(r"eventfd2\(.*\) = (\d+)<", call))}
+    assert waits
+    own_wakeups = [call for call in warm if (m := re.match(r"write\((\d+)<", call)) and m[1] in waits]
+    assert own_wakeups == []
+    last_pid_reads = [call for calls in tasks.values() for t, call in calls
+                      if float(t) > mark and call.startswith("pread64(") and "ns_last_pid>" in call]
+    assert len(last_pid_reads) == len(got["ranks"]), last_pid_reads
