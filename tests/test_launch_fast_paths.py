@@ -304,7 +304,7 @@ def test_a_lone_rank_s_spawn_and_exit_make_no_call_they_need_not(tmp_path: Path)
     trace = tmp_path / "trace"
     res = subprocess.run([shutil.which("unshare"), "--pid", "--fork", "--mount-proc",
                           shutil.which("strace"), "-ff", "-qq", "-ttt", "-y", "-o", str(trace), "-e",
-                          "trace=umask,getpid,close,close_range,pread64,write,vfork,execve,eventfd2",
+                          "trace=umask,getpid,close,close_range,pread64,write,vfork,execve,eventfd2,pipe,pipe2",
                           sys.executable, "-c", LONE_RANKS, str(tmp_path)],
                          capture_output=True, timeout=120, cwd="/", env=launcher_env(),
                          start_new_session=True)
@@ -329,9 +329,11 @@ def test_a_lone_rank_s_spawn_and_exit_make_no_call_they_need_not(tmp_path: Path)
             assert before_exec, f"no trace of rank {rank}"
             assert not [c for c in before_exec if c.startswith(("getpid(", "close("))], before_exec
             assert len([c for c in before_exec if c.startswith("close_range(")]) == 1, before_exec
-    # The eventfds the launcher made to wait on (the I/O thread's own, made
-    # before the mark, is written to when a command is handed to it).
+    # The channels the launcher made to wait on: eventfds, or the write ends
+    # of pipes where there are none (the portable build).  The I/O thread's
+    # own, made before the mark, is written to when a command is handed to it.
     waits = {m[1] for call in warm if (m := re.match(r"eventfd2\(.*\) = (\d+)<", call))}
+    waits |= {m[1] for call in warm if (m := re.match(r"pipe2?\(\[\d+<[^>]*>, (\d+)<", call))}
     assert waits
     own_wakeups = [call for call in warm if (m := re.match(r"write\((\d+)<", call)) and m[1] in waits]
     assert own_wakeups == []
