@@ -1,4 +1,10 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
+# cython: binding=False, embedsignature.format=clinic
+# (binding=False: the functions and methods are the C API's builtins, made by
+# the type and module set-up, not one Cython function object and code object
+# each when the module is imported: a fresh interpreter's import of the core
+# takes about 0.1 ms less.  The clinic format gives them the
+# __text_signature__ that inspect.signature reads.)
 """torchmp._core: the compiled half of torchmp.
 
 Thin wrappers over the C core in csrc/*.c: argument conversion, memory
@@ -98,35 +104,21 @@ HAVE_BINDING = bool(TORCHMP_BINDING_BUILD)
 # inotify fd for all, none per stream) rather than piped.
 HAVE_FOLLOW = bool(TORCHMP_FOLLOW_BUILD)
 
-import enum as _enum
-
-
-class StreamMode(_enum.IntEnum):
-    """How a stream of a rank is wired (StreamSpec.mode)."""
-    INHERIT = TORCHMP_STREAM_INHERIT  # the launcher's own fd
-    FILE = TORCHMP_STREAM_FILE        # a log file, nothing in between
-    TEE = TORCHMP_STREAM_TEE          # a pipe the I/O thread copies to the log and a console
-    RETURN = TORCHMP_STREAM_RETURN    # the return channel of a function worker
-
-
-class ProcState(_enum.IntEnum):
-    """Where a rank is (ProcInfo.state, a plain int there: compare with these)."""
-    UNSTARTED = TORCHMP_PROC_UNSTARTED
-    RUNNING = TORCHMP_PROC_RUNNING
-    EXITED = TORCHMP_PROC_EXITED
-
-
-StreamMode.__module__ = ProcState.__module__ = __name__
-STREAM_INHERIT = StreamMode.INHERIT
-STREAM_FILE = StreamMode.FILE
-STREAM_TEE = StreamMode.TEE
-STREAM_RETURN = StreamMode.RETURN
+# Plain ints, not IntEnum classes: making an enum class costs a fresh
+# interpreter's import about 0.1 ms, which an agent starting a new
+# interpreter per command pays each time (docs/profiles.md).
+# How a stream of a rank is wired (StreamSpec.mode):
+STREAM_INHERIT = TORCHMP_STREAM_INHERIT  # the launcher's own fd
+STREAM_FILE = TORCHMP_STREAM_FILE        # a log file, nothing in between
+STREAM_TEE = TORCHMP_STREAM_TEE          # a pipe the I/O thread copies to the log and a console
+STREAM_RETURN = TORCHMP_STREAM_RETURN    # the return channel of a function worker
 FD_RETURN = TORCHMP_FD_RETURN  # the worker's fd of its return channel
 FD_PAYLOAD = TORCHMP_FD_PAYLOAD
 
-PROC_UNSTARTED = ProcState.UNSTARTED
-PROC_RUNNING = ProcState.RUNNING
-PROC_EXITED = ProcState.EXITED
+# Where a rank is (ProcInfo.state):
+PROC_UNSTARTED = TORCHMP_PROC_UNSTARTED
+PROC_RUNNING = TORCHMP_PROC_RUNNING
+PROC_EXITED = TORCHMP_PROC_EXITED
 
 # Group.wait()'s answers after a wake-up (0: the timeout passed).
 WAIT_CHANGED = 1

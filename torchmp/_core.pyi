@@ -6,7 +6,6 @@ name of the module is declared here.
 """
 
 from collections.abc import Iterable
-from enum import IntEnum
 from typing import Any, Final, NamedTuple
 
 __version__: Final[str]
@@ -14,31 +13,18 @@ COLLECT_HAS_RUSAGE: Final[bool]
 HAVE_BINDING: Final[bool]
 HAVE_FOLLOW: Final[bool]
 
-class StreamMode(IntEnum):
-    """How a stream of a rank is wired (StreamSpec.mode)."""
-
-    INHERIT = ...
-    FILE = ...
-    TEE = ...
-    RETURN = ...
-
-class ProcState(IntEnum):
-    """Where a rank is (ProcInfo.state, a plain int there: compare with these)."""
-
-    UNSTARTED = ...
-    RUNNING = ...
-    EXITED = ...
-
-STREAM_INHERIT: Final[StreamMode]
-STREAM_FILE: Final[StreamMode]
-STREAM_TEE: Final[StreamMode]
-STREAM_RETURN: Final[StreamMode]  # the return channel's mode
+# How a stream of a rank is wired (StreamSpec.mode)
+STREAM_INHERIT: Final[int]  # the launcher's own fd
+STREAM_FILE: Final[int]  # a log file, nothing in between
+STREAM_TEE: Final[int]  # a pipe the I/O thread copies to the log and a console
+STREAM_RETURN: Final[int]  # the return channel's mode
 FD_RETURN: Final[int]  # the worker's fd of its return channel
 FD_PAYLOAD: Final[int]
 
-PROC_UNSTARTED: Final[ProcState]
-PROC_RUNNING: Final[ProcState]
-PROC_EXITED: Final[ProcState]
+# Where a rank is (ProcInfo.state)
+PROC_UNSTARTED: Final[int]
+PROC_RUNNING: Final[int]
+PROC_EXITED: Final[int]
 
 WAIT_CHANGED: Final[int]  # Group.wait(): a change (0: the timeout passed)
 WAIT_DECIDED: Final[int]  # Group.wait(until_decided=True): a change that decided the result
@@ -96,7 +82,7 @@ class Forked(NamedTuple):
 class StreamSpec(NamedTuple):
     """How one stream of a rank (stdout, stderr, the return channel) is wired."""
 
-    mode: StreamMode | int
+    mode: int
     fd: int
     console: int | QueueConsole
     prefix: bytes | None
