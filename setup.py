@@ -33,10 +33,11 @@ def _flag(name):
 
 
 def _version():
-    with open(os.path.join(HERE, "torchmp", "_version.py"), encoding="utf-8") as f:
+    # Read, not imported: torchmp/__init__.py imports the core being built.
+    with open(os.path.join(HERE, "torchmp", "__init__.py"), encoding="utf-8") as f:
         match = re.search(r'^__version__ = "([^"]+)"', f.read(), re.M)
     if not match:
-        raise RuntimeError("torchmp/_version.py has no __version__")
+        raise RuntimeError("torchmp/__init__.py has no __version__")
     return match.group(1)
 
 

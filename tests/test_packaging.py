@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 import torchmp
-from torchmp import _core, _version
+from torchmp import _core
 
 PKG = Path(torchmp.__file__).resolve().parent
 REPO = Path(__file__).resolve().parent.parent
@@ -217,7 +217,8 @@ def test_portable_build_uses_the_poll_backend() -> None:
 
 
 def test_version_is_single_sourced() -> None:
-    assert torchmp.__version__ == _version.__version__ == _core.__version__
+    assert torchmp.__version__ == _core.__version__
+    assert not (PKG / "_version.py").exists()  # one place only: torchmp/__init__.py
     try:
         dist = importlib.metadata.distribution("torchmp")
     except importlib.metadata.PackageNotFoundError:
@@ -228,11 +229,14 @@ def test_version_is_single_sourced() -> None:
 
 
 def test_version_mismatch_fails_at_import_naming_the_core(tmp_path: Path) -> None:
-    # A package whose _version.py moved on without rebuilding _core: what a
+    # A package whose version moved on without rebuilding _core: what a
     # source checkout looks like after a version bump and no rebuild.
     copy = tmp_path / "torchmp"
     shutil.copytree(PKG, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    (copy / "_version.py").write_text('__version__ = "0.0.0+stale"\n', encoding="utf-8")
+    init = (copy / "__init__.py").read_text(encoding="utf-8")
+    bumped = re.sub(r'^__version__ = "[^"]+"$', '__version__ = "0.0.0+stale"', init, count=1, flags=re.M)
+    assert bumped != init
+    (copy / "__init__.py").write_text(bumped, encoding="utf-8")
     core = Path(_core.__file__)
     stale_core = copy / core.relative_to(PKG)
     assert stale_core.is_file()
@@ -248,15 +252,15 @@ def test_version_mismatch_fails_at_import_naming_the_core(tmp_path: Path) -> Non
 
 
 @in_source_tree
-def test_setup_py_compiles_the_version_from_version_py() -> None:
+def test_setup_py_compiles_the_version_from_the_package_s_init() -> None:
     # Run setup.py's own reader (not the whole setup.py, which would build).
     source = (REPO / "setup.py").read_text(encoding="utf-8")
     tree = ast.parse(source)
     reader = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_version")
     namespace: dict[str, Any] = {"os": os, "re": re, "HERE": str(REPO)}
     exec(compile(ast.Module(body=[reader], type_ignores=[]), "setup.py", "exec"), namespace)
-    version_py = (REPO / "torchmp" / "_version.py").read_text(encoding="utf-8")
-    assert f'__version__ = "{namespace["_version"]()}"' in version_py
+    init_py = (REPO / "torchmp" / "__init__.py").read_text(encoding="utf-8")
+    assert re.findall(r'^__version__ = "([^"]+)"$', init_py, re.M) == [namespace["_version"]()]
     assert '("TORCHMP_VERSION"' in source  # ... and it is what _core reports
     pyproject = _pyproject()
     assert "version" not in pyproject["project"] and "version" in pyproject["project"]["dynamic"]

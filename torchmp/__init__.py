@@ -27,7 +27,10 @@ from __future__ import annotations
 
 import sys
 
-from torchmp._version import __version__
+# The single source of torchmp's version: setup.py reads it from here for the
+# package metadata and compiles it into _core.  (Here, not in a module of its
+# own: a fresh interpreter's import of one more module costs it 0.1 ms.)
+__version__ = "0.1.0"
 
 # typing only for the type checker: ``import torchmp`` stays off it (an
 # agent whose tool calls are new interpreters pays every import).

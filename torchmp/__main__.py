@@ -26,7 +26,7 @@ _COMMANDS = {
 
 
 def _top_parser() -> argparse.ArgumentParser:
-    from torchmp._version import __version__
+    from torchmp import __version__
 
     p = argparse.ArgumentParser(
         prog="torchmp",
