@@ -15,7 +15,7 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE, PyBytes_FromStri
 from cpython.exc cimport PyErr_CheckSignals
 from libc.errno cimport errno, EINTR, ECHILD
 from libc.stdint cimport int64_t, uint64_t
-from cpython.buffer cimport PyBuffer_FillInfo
+from cpython.buffer cimport PyBuffer_FillInfo, PyBuffer_Release, PyObject_GetBuffer, PyBUF_SIMPLE
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memchr, memcpy, memset, strerror, strlen
 from posix.stat cimport stat as c_stat, struct_stat as stat_t, S_ISDIR
@@ -595,12 +595,23 @@ cdef extern from "<string.h>" nogil:
     void *memrchr(const void *s, int c, size_t n)
 
 
-def line_cuts(const unsigned char[::1] data, Py_ssize_t piece):
-    """Where to cut data (whole lines) into pieces of at most ``piece``
-    bytes: the end offset of each piece (a line longer than that is a piece
-    of its own; the last offset is len(data))."""
-    cdef Py_ssize_t start = 0, end, n = data.shape[0]
-    cdef const unsigned char *base = &data[0] if n > 0 else NULL
+def line_cuts(data, Py_ssize_t piece):
+    """Where to cut data (whole lines; bytes or a CaptureBuffer) into pieces
+    of at most ``piece`` bytes: the end offset of each piece (a line longer
+    than that is a piece of its own; the last offset is len(data))."""
+    # The buffer protocol itself, not a typed memoryview: one memoryview
+    # argument makes Cython build its whole memoryview support (four types)
+    # at every import of the module.
+    cdef Py_buffer view
+    PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+    try:
+        return _line_cuts(<const unsigned char *>view.buf, view.len, piece)
+    finally:
+        PyBuffer_Release(&view)
+
+
+cdef list _line_cuts(const unsigned char *base, Py_ssize_t n, Py_ssize_t piece):
+    cdef Py_ssize_t start = 0, end
     cdef const unsigned char *nl
     cdef list cuts = []
     if piece < 1:
