@@ -9,8 +9,10 @@ signal through it any more, so its native group becomes an :class:`Orphan`
 (a weak reference to the context, which holds the group, not the context,
 is queued when the context goes, and taken at the next launch).  An orphan
 whose ranks have all exited, leaving nothing in their process groups, is
-reaped and released at the next launch, so dropped contexts do not pile up
-zombies (torch's reap at its next launch too).
+reaped and released at the next launch that finds those exits recorded (the
+I/O thread records an exit a moment after the kernel has the zombie; a
+launch in between leaves the orphan to the one after), so dropped contexts
+do not pile up zombies (torch's reap at its next launch too).
 Whatever still runs at interpreter exit is stopped the way ``close()`` stops
 it (death signal, grace, SIGKILL), as it was before.
 """
