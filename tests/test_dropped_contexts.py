@@ -47,8 +47,11 @@ def _wait_recorded(pids: list[int], timeout: float) -> list[int]:
     every exit of it is recorded."""
     deadline = time.monotonic() + timeout
     while True:
-        running = [info.pid for registration in list(_orphans._gone) if not registration.closed
-                   for info in registration.orphan._group.snapshot()[1]
+        # Queued when their context went, or taken by a launch since and
+        # not released yet (an earlier launch found an exit unrecorded).
+        orphans = [r.orphan for r in list(_orphans._gone) if not r.closed]
+        orphans += [o for o in list(_orphans._orphans) if not o.released]
+        running = [info.pid for orphan in orphans for info in orphan._group.snapshot()[1]
                    if info.state == _core.PROC_RUNNING and info.pid in pids]
         if not running or time.monotonic() >= deadline:
             return running
